@@ -1,0 +1,9 @@
+"""hybridllm: local LLM inference that decides, and honours, where every byte lives."""
+
+from hybridllm.config import EngineConfig, KVConfig, ModelConfig, SamplingParams
+from hybridllm.engine.generator import GenerationResult
+from hybridllm.errors import HybridLLMError
+from hybridllm.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "GenerationResult", "ModelConfig", "EngineConfig", "KVConfig", "HybridLLMError"]
+__version__ = "0.1.0"

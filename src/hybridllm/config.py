@@ -1,0 +1,306 @@
+"""Configuration dataclasses: the model's architecture numbers, the engine's knobs, sampling.
+
+Every dataclass validates itself in ``__post_init__`` and raises ``ValueError`` with a message
+a user can act on; the CLI turns those into one-line errors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridllm.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Turn a dtype name ("float32", "bfloat16", "float16") into a ``torch.dtype``."""
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ConfigError(f"unsupported compute dtype {name}; use one of {', '.join(DTYPES)}")
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ConfigError(f"unsupported dtype {name!r}; use one of {', '.join(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling. ``kind`` is "llama3" (Llama 3.1+ frequency bands) or "linear"."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("llama3", "linear"):
+            raise ConfigError(f"unsupported rope scaling {self.kind!r}; supported: llama3, linear")
+        if self.factor <= 0:
+            raise ConfigError("rope scaling factor must be > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture numbers of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    rope_scaling: RopeScaling | None = None
+    # Per-dimension frequency divisors shipped in some GGUF files (llama3 "rope_freqs").
+    rope_freq_factors: tuple[float, ...] | None = None
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for attr in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads",
+                     "n_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, attr) <= 0:
+                raise ConfigError(f"model config: {attr} must be > 0, got {getattr(self, attr)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model config: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model config: head_dim must be even, got {self.head_dim}")
+
+    @property
+    def n_groups(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_bytes_per_token(self, bytes_per_element: float) -> float:
+        """KV cache bytes for one token: 2 (K and V) x layers x kv_heads x head_dim x element size."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
+
+    def parameter_count(self) -> int:
+        """Number of weights (embedding counted once when tied)."""
+        attn = self.hidden_size * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        if self.attention_bias:
+            attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        norms = 2 * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.n_layers * (attn + mlp + norms) + self.vocab_size * self.hidden_size + self.hidden_size + head
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        model_type = cfg.get("model_type", "llama")
+        arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope_params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        scaling = None
+        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                kind="llama3",
+                factor=float(rope_params["factor"]),
+                low_freq_factor=float(rope_params.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope_params.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(rope_params.get("original_max_position_embeddings", 8192)),
+            )
+        elif rope_type == "linear":
+            scaling = RopeScaling(kind="linear", factor=float(rope_params["factor"]))
+        elif rope_type not in ("default", None):
+            raise ConfigError(f"unsupported rope scaling {rope_type!r}; supported: llama3, linear")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            arch=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            rope_scaling=scaling,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            name=str(cfg.get("_name_or_path", "")),
+        )
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0``
+    disable those filters; ``repetition_penalty == 1`` disables the penalty.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.7
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(value: str | int | None) -> int | None:
+    """Parse a byte count with an optional unit ("8GiB", "512MB", "1.5G", 1024) into an int.
+
+    Decimal units (kB, MB, GB) are powers of 1000, binary ones (KiB, MiB, GiB) powers of 1024.
+    """
+    if value is None or isinstance(value, int):
+        if isinstance(value, int) and value < 0:
+            raise ConfigError(f"byte count must be >= 0, got {value}")
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ConfigError(f"invalid byte count {value!r}; use e.g. 8GiB, 512MiB, 2GB or a plain number")
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ConfigError(f"invalid byte count {value!r}; use e.g. 8GiB, 512MiB, 2GB or a plain number") from None
+    if amount < 0 or not math.isfinite(amount):
+        raise ConfigError(f"byte count must be >= 0, got {value!r}")
+    return int(amount * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    """Where and how the engine runs: device, compute dtype, prefill chunking, threads."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    prefill_chunk: int = 512
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"invalid device {self.device!r}; use cpu or cuda[:N]") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"unsupported device {self.device!r}; use cpu or cuda[:N]")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but no CUDA GPU is available to PyTorch")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+
+KV_STRATEGIES = ("dynamic", "offloaded", "quantized", "tiered", "host")
+
+
+@dataclass
+class KVConfig:
+    """The KV cache policy: strategy and its sizes. Field names equal the CLI flags (snake case)."""
+
+    kv_cache: str = "dynamic"
+    kv_page_size: int = 128
+    kv_hot_window: int = 512
+    kv_sink_tokens: int = 0
+    kv_cold_bits: int = 16
+    kv_bits: int = 8
+    kv_group_size: int = 64
+    kv_residual: int = 128
+    kv_offload_percent: float | None = None
+    vram_budget: int | str | None = None
+    kv_threshold: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in KV_STRATEGIES:
+            raise ConfigError(f"unknown KV cache {self.kv_cache!r}; choose one of {', '.join(KV_STRATEGIES)}")
+        self.vram_budget = parse_bytes(self.vram_budget)
+        if self.kv_page_size < 1:
+            raise ConfigError(f"kv_page_size must be >= 1, got {self.kv_page_size}")
+        if self.kv_hot_window < 0 or self.kv_sink_tokens < 0 or self.kv_residual < 0:
+            raise ConfigError("kv_hot_window, kv_sink_tokens and kv_residual must be >= 0")
+        if self.kv_cold_bits not in (16, 8, 4):
+            raise ConfigError(f"kv_cold_bits must be 16, 8 or 4, got {self.kv_cold_bits}")
+        if self.kv_bits not in (8, 4):
+            raise ConfigError(f"kv_bits must be 8 or 4, got {self.kv_bits}")
+        if self.kv_group_size < 1:
+            raise ConfigError(f"kv_group_size must be >= 1, got {self.kv_group_size}")
+        if self.kv_offload_percent is not None and not 0 <= self.kv_offload_percent <= 100:
+            raise ConfigError(f"kv_offload_percent must be in [0, 100], got {self.kv_offload_percent}")
+        if not 0 < self.kv_threshold <= 1:
+            raise ConfigError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")

@@ -1,0 +1,231 @@
+"""One request end to end: chunked prefill, the decode loop, stop rules, streaming, metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridllm.config import SamplingParams
+from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, RequestTimer, synchronize
+from hybridllm.engine.sampling import Sampler
+from hybridllm.errors import ContextOverflowError
+from hybridllm.kvcache.base import KVCache
+from hybridllm.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class GenerationResult:
+    """What a request produced. ``finish_reason`` is "stop" (EOS or a stop string) or "length"."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StreamEvent:
+    """A piece of streamed output. The last event of a request carries the ``result``."""
+
+    text: str
+    token_id: int | None = None
+    result: GenerationResult | None = None
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text and holds back any tail that could start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = list(stops)
+        self.text = ""  # all text released or held so far
+        self.released = 0  # characters of ``text`` already emitted
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Add ``piece``; return (text safe to emit now, whether a stop string was hit)."""
+        search_from = max(0, self.released - max((len(s) for s in self.stops), default=0))
+        self.text += piece
+        hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            end = min(hits)
+            out = self.text[self.released:end]
+            self.text = self.text[:end]
+            self.released = end
+            return out, True
+        hold = self._partial_stop_suffix()
+        end = len(self.text) - hold
+        out = self.text[self.released:end]
+        self.released = max(self.released, end)
+        return out, False
+
+    def flush(self) -> str:
+        out = self.text[self.released:]
+        self.released = len(self.text)
+        return out
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
+                if self.text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+
+class Generator:
+    """Runs requests on a loaded model.
+
+    Args:
+        model: the model.
+        tokenizer: its tokenizer (``stream_decoder``, ``eos_token_ids``).
+        cache_factory: builds an empty KV cache for a request.
+        device: where the model's inputs go (its embedding's device).
+        prefill_chunk: prompt tokens per prefill forward.
+        weight_bytes: bytes of weights per tier, for the peak-memory figures.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer,
+        cache_factory: Callable[[], KVCache],
+        device: torch.device,
+        prefill_chunk: int = 512,
+        weight_bytes: dict[str, int] | None = None,
+        cold_start_s: float = 0.0,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache_factory = cache_factory
+        self.device = device
+        self.prefill_chunk = prefill_chunk
+        self.weight_bytes = weight_bytes or {"device": 0, "host": 0}
+        self.cold_start_s = cold_start_s
+        self.host_memory = HostPeakMemory()
+
+    @property
+    def context_length(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        """Run a request to completion."""
+        for event in self.stream(prompt_ids, params):
+            if event.result is not None:
+                return event.result
+        raise RuntimeError("generation ended without a result")  # unreachable: stream always ends with one
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """Run a request, yielding text pieces as they are decided; the last event has the result."""
+        prompt = [int(t) for t in prompt_ids]
+        self._check_prompt(prompt)
+        budget = min(params.max_tokens, self.context_length - len(prompt))
+        stop_ids = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        sampler = Sampler(params)
+        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
+        matcher = StopStringMatcher(params.stop)
+        cache = self.cache_factory()
+        cache.reserve(len(prompt) + budget)
+        self._reset_peaks(cache)
+        hop_start = self.model.hop_bytes
+        timer = RequestTimer(self.device)
+        history = torch.tensor(prompt, dtype=torch.long)
+        generated: list[int] = []
+        finish_reason = "length"
+        hit_stop_string = False
+        try:
+            with torch.inference_mode():
+                logits = self._prefill(prompt, cache)
+                while True:
+                    token = sampler(logits[0, -1], history if params.repetition_penalty != 1.0 else None)
+                    timer.token()
+                    generated.append(token)
+                    self.host_memory.sample()
+                    if token in stop_ids:
+                        finish_reason = "stop"
+                        break
+                    piece, hit = matcher.feed(decoder.push(token))
+                    if piece:
+                        yield StreamEvent(piece, token)
+                    if hit:
+                        finish_reason, hit_stop_string = "stop", True
+                        break
+                    if len(generated) >= budget:
+                        break
+                    if params.repetition_penalty != 1.0:
+                        history = torch.cat([history, torch.tensor([token])])
+                    logits = self._forward([token], cache)
+            if not hit_stop_string:
+                tail, _ = matcher.feed(decoder.flush())
+                tail += matcher.flush()
+                if tail:
+                    yield StreamEvent(tail, None)
+            metrics = self._metrics(prompt, generated, timer, cache, hop_start)
+            text = matcher.text
+            yield StreamEvent("", None, GenerationResult(text, generated, prompt, finish_reason, metrics))
+        finally:
+            cache.reset()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ContextOverflowError("the prompt is empty: give at least one token")
+        if len(prompt) >= self.context_length:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt)} tokens but the model's context window is {self.context_length}; "
+                f"shorten it to at most {self.context_length - 1} tokens"
+            )
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ContextOverflowError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+    def _prefill(self, prompt: list[int], cache: KVCache) -> torch.Tensor:
+        logits = None
+        for start in range(0, len(prompt), self.prefill_chunk):
+            logits = self._forward(prompt[start:start + self.prefill_chunk], cache)
+        return logits
+
+    def _forward(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # (1, T)
+        logits = self.model(ids, cache, start_pos=cache.seq_length)  # (1, 1, vocab)
+        return logits.cpu()
+
+    def _reset_peaks(self, cache: KVCache) -> None:
+        self.host_memory.reset()
+        cache.ledger.reset_peaks()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _metrics(self, prompt: list[int], generated: list[int], timer: RequestTimer, cache: KVCache,
+                 hop_start: int) -> dict[str, Any]:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            peak_device = torch.cuda.max_memory_allocated(self.device)
+        else:  # the CPU stands in for the device: report what the engine placed on the device tier
+            peak_device = self.weight_bytes["device"] + cache.ledger.peak("device")
+        bus = dict(cache.bus_bytes)
+        bus["hidden_states"] = self.model.hop_bytes - hop_start
+        record = RequestMetrics(
+            cold_start_s=self.cold_start_s,
+            prompt_tokens=len(prompt),
+            generated_tokens=len(generated),
+            ttft_s=timer.ttft_s,
+            token_intervals_s=timer.intervals,
+            peak_host_bytes=self.host_memory.peak(),
+            peak_device_bytes=peak_device,
+            extra={
+                "kv_cache": cache.name,
+                "kv_bytes": cache.bytes_per_tier(),
+                "kv_peak_bytes": cache.peak_bytes_per_tier(),
+                "kv_pages_moved": cache.pages_moved,
+                "bus_bytes": sum(bus.values()),
+                "bus_bytes_detail": bus,
+                "weight_bytes": dict(self.weight_bytes),
+            },
+        )
+        return record.to_dict()

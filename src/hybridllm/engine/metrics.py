@@ -1,0 +1,158 @@
+"""What each phase costs: cold start, TTFT, TPOT, throughput, peak memory per tier.
+
+The CLI, the benchmark and the server all read these records. Times come from
+``time.perf_counter``; device work is synchronised before a timestamp is taken, so a time
+covers the work it names.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HostPeakMemory:
+    """Peak resident set size of this process since the last :meth:`reset`.
+
+    Uses the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs) when it
+    can, and otherwise the sampled maximum of RSS at each :meth:`sample` call.
+    """
+
+    _CLEAR_REFS = Path("/proc/self/clear_refs")
+    _STATUS = Path("/proc/self/status")
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._sampled = 0
+        self._kernel_hwm = self._try_reset_kernel_hwm()
+
+    def _try_reset_kernel_hwm(self) -> bool:
+        try:
+            self._CLEAR_REFS.write_text("5")
+            return True
+        except OSError:
+            return False
+
+    def reset(self) -> None:
+        self._kernel_hwm = self._try_reset_kernel_hwm()
+        self._sampled = self._process.memory_info().rss
+
+    def sample(self) -> None:
+        if not self._kernel_hwm:
+            self._sampled = max(self._sampled, self._process.memory_info().rss)
+
+    def peak(self) -> int:
+        self.sample()
+        if self._kernel_hwm:
+            for line in self._STATUS.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return max(self._sampled, self._process.memory_info().rss)
+
+    @staticmethod
+    def lifetime_peak() -> int:
+        """Peak RSS over the whole process life (Linux reports KiB)."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class ColdStart:
+    """Model load split into its phases (seconds) and the bytes it produced."""
+
+    read_s: float = 0.0  # disk -> host RAM
+    dequantize_s: float = 0.0  # file format -> compute dtype
+    to_device_s: float = 0.0  # host RAM -> the weights' devices
+    tokenizer_s: float = 0.0
+    bytes_read: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.read_s + self.dequantize_s + self.to_device_s + self.tokenizer_s
+
+    def to_dict(self) -> dict[str, float]:
+        out = asdict(self)
+        out["total_s"] = self.total_s
+        return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class RequestMetrics:
+    """The record of one request. ``to_dict`` gives the JSON keys the CLI and API promise."""
+
+    cold_start_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    token_intervals_s: list[float] = field(default_factory=list)  # between consecutive tokens
+    peak_host_bytes: int = 0
+    peak_device_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific figures (KV tiers, bus)
+
+    @property
+    def decode_time_s(self) -> float:
+        return sum(self.token_intervals_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        intervals = self.token_intervals_s
+        decode_s = self.decode_time_s
+        out: dict[str, Any] = {
+            "cold_start_s": self.cold_start_s,
+            "ttft_s": self.ttft_s,
+            "tpot_mean_s": statistics.fmean(intervals) if intervals else None,
+            "tpot_p50_s": _percentile(intervals, 50) if intervals else None,
+            "tpot_p99_s": _percentile(intervals, 99) if intervals else None,
+            "decode_tps": len(intervals) / decode_s if decode_s > 0 else None,
+            "prefill_tps": self.prompt_tokens / self.ttft_s if self.ttft_s else None,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "peak_host_bytes": self.peak_host_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
+        }
+        out.update(self.extra)
+        return out
+
+
+class RequestTimer:
+    """Timestamps one request: start, first token, each later token."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.intervals: list[float] = []
+
+    def token(self) -> None:
+        """Mark that a token is ready (call after it has been sampled on the host)."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.intervals.append(now - self.last_token_at)
+        self.last_token_at = now
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.start

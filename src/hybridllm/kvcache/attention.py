@@ -1,0 +1,79 @@
+"""Attention kernels shared by the cache strategies.
+
+``causal_attention`` is the fast path over one contiguous KV range (PyTorch SDPA, grouped-query
+heads folded into the query axis so K/V are never repeated). ``partial_attention`` returns the
+output together with its log-sum-exp so that results over disjoint key sets (e.g. a hot window
+on the device and cold pages on the host) can be merged exactly by ``merge_partials``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_mask(n_queries: int, n_keys: int, query_start: int, device: torch.device) -> torch.Tensor:
+    """Boolean mask (T, S): query t (at position query_start + t) may see key s iff s <= its position."""
+    q_pos = torch.arange(query_start, query_start + n_queries, device=device)[:, None]
+    k_pos = torch.arange(n_keys, device=device)[None, :]
+    return k_pos <= q_pos
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int) -> torch.Tensor:
+    """Causal grouped-query attention.
+
+    Args:
+        q: (B, H, T, D) queries at positions ``query_start .. query_start + T - 1``.
+        k, v: (B, Hkv, S, D) keys/values at positions ``0 .. S - 1`` (S = query_start + T).
+    Returns:
+        (B, H, T, D).
+    """
+    batch, n_heads, n_queries, head_dim = q.shape
+    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    groups = n_heads // n_kv_heads
+    q_grouped = q.reshape(batch, n_kv_heads, groups * n_queries, head_dim)  # (B, Hkv, G*T, D)
+    mask = None
+    if n_queries > 1:
+        mask = causal_mask(n_queries, n_keys, query_start, q.device).repeat(groups, 1)  # (G*T, S)
+    out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
+    return out.reshape(batch, n_heads, n_queries, head_dim)
+
+
+def partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over one subset of the keys, with the log-sum-exp of its scores.
+
+    Args:
+        q: (B, H, T, D); k, v: (B, Hkv, S, D); mask: optional bool (T, S), True = may attend.
+    Returns:
+        out (B, H, T, D) in float32 and lse (B, H, T) in float32. Rows with no visible key get
+        out = 0 and lse = -inf, so they drop out of :func:`merge_partials`.
+    """
+    batch, n_heads, n_queries, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    groups = n_heads // n_kv_heads
+    q5 = q.float().reshape(batch, n_kv_heads, groups, n_queries, head_dim)  # (B, Hkv, G, T, D)
+    scores = torch.matmul(q5, k.float().unsqueeze(2).transpose(-1, -2)) / math.sqrt(head_dim)  # (B, Hkv, G, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, G, T)
+    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
+    out = torch.matmul(weights, v.float().unsqueeze(2))  # (B, Hkv, G, T, D)
+    return out.reshape(batch, n_heads, n_queries, head_dim), lse.reshape(batch, n_heads, n_queries)
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exactly combine partial attentions over disjoint key sets.
+
+    With m = max_i lse_i: out = sum_i e^(lse_i - m) out_i / sum_i e^(lse_i - m).
+    Every part must be on the same device; returns (B, H, T, D) float32.
+    """
+    lses = torch.stack([lse for _, lse in parts])  # (P, B, H, T)
+    m = lses.max(dim=0).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    scale = torch.exp(lses - m)  # (P, B, H, T); parts with lse=-inf get 0
+    num = sum(s.unsqueeze(-1) * out for s, (out, _) in zip(scale, parts))
+    return num / scale.sum(dim=0).unsqueeze(-1)

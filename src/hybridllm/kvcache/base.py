@@ -1,0 +1,179 @@
+"""The KV cache interface and the per-tier memory ledger.
+
+A cache owns attention: the model hands it each layer's new keys/values and gets the attention
+output back, so a cache can compute where its data lives. Memory is accounted in bytes per tier
+("device", "host") by a :class:`MemoryLedger`, against optional budgets; strategies evict when
+the ledger crosses a threshold, never by catching out-of-memory errors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridllm.errors import ConfigError
+
+TIERS = ("device", "host")
+
+
+@dataclass
+class TierUsage:
+    """Bytes currently held, the high-water mark, and the budget (None: unlimited) of a tier."""
+
+    current: int = 0
+    peak: int = 0
+    budget: int | None = None
+
+
+class MemoryLedger:
+    """Counts bytes per memory tier against budgets. Plain ints: testable without tensors.
+
+    Args:
+        budgets: bytes allowed per tier ("device", "host"); missing or None means unlimited.
+        threshold: fraction of a budget at which :meth:`over_threshold` turns true (eviction point).
+    """
+
+    def __init__(self, budgets: dict[str, int | None] | None = None, threshold: float = 0.95) -> None:
+        if not 0 < threshold <= 1:
+            raise ConfigError(f"ledger threshold must be in (0, 1], got {threshold}")
+        budgets = budgets or {}
+        unknown = set(budgets) - set(TIERS)
+        if unknown:
+            raise ConfigError(f"unknown memory tiers {sorted(unknown)}; tiers are {TIERS}")
+        self.threshold = threshold
+        self._tiers = {tier: TierUsage(budget=budgets.get(tier)) for tier in TIERS}
+
+    def allocate(self, tier: str, nbytes: int) -> None:
+        usage = self._tiers[tier]
+        usage.current += nbytes
+        usage.peak = max(usage.peak, usage.current)
+
+    def free(self, tier: str, nbytes: int) -> None:
+        usage = self._tiers[tier]
+        if nbytes > usage.current:
+            raise RuntimeError(f"ledger: freeing {nbytes} bytes from {tier} which holds {usage.current}")
+        usage.current -= nbytes
+
+    def current(self, tier: str) -> int:
+        return self._tiers[tier].current
+
+    def peak(self, tier: str) -> int:
+        return self._tiers[tier].peak
+
+    def budget(self, tier: str) -> int | None:
+        return self._tiers[tier].budget
+
+    def limit(self, tier: str) -> int | None:
+        """Bytes at which eviction starts: threshold x budget (None when unlimited)."""
+        budget = self._tiers[tier].budget
+        return None if budget is None else int(budget * self.threshold)
+
+    def fits(self, tier: str, extra_bytes: int) -> bool:
+        """Whether ``extra_bytes`` more stay under the tier's eviction limit."""
+        limit = self.limit(tier)
+        return limit is None or self._tiers[tier].current + extra_bytes <= limit
+
+    def over_threshold(self, tier: str) -> bool:
+        return not self.fits(tier, 0)
+
+    def reset_peaks(self) -> None:
+        for usage in self._tiers.values():
+            usage.peak = usage.current
+
+    def snapshot(self) -> dict[str, dict[str, int | None]]:
+        return {t: {"current": u.current, "peak": u.peak, "budget": u.budget} for t, u in self._tiers.items()}
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape and placement of a cache: what every strategy needs to allocate its storage."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device  # the compute device (the "device" tier)
+    host_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    batch_size: int = 1
+    max_tokens: int = 4096  # the model's context window: the cache never holds more
+
+    def token_bytes(self, element_size: float | None = None) -> float:
+        """Bytes of K and V for one token in one layer."""
+        size = element_size if element_size is not None else torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.batch_size * self.n_kv_heads * self.head_dim * size
+
+
+class KVCache(ABC):
+    """Stores keys/values of every layer and computes causal attention over them.
+
+    Subclasses implement :meth:`attend` and the storage; this base tracks lengths per layer,
+    the ledger, and the bus-traffic counters that the metrics read.
+    """
+
+    name: str = "base"
+
+    def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None) -> None:
+        self.spec = spec
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self._lengths = [0] * spec.n_layers
+        self.bus_bytes = {"h2d": 0, "d2h": 0}  # bytes moved host tier -> device tier and back
+        self.pages_moved = 0
+
+    # ---- the contract -------------------------------------------------------------------
+    @abstractmethod
+    def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        """Append ``k_new``/``v_new`` (B, Hkv, T, D) to layer ``layer_idx`` and attend.
+
+        ``q`` (B, H, T, D) holds the queries of the same T new tokens, at positions
+        ``length(layer_idx) .. length(layer_idx) + T - 1``. Returns (B, H, T, D) in q's dtype
+        and device: causal attention over everything cached for the layer.
+        """
+
+    @abstractmethod
+    def _release_from(self, length: int) -> None:
+        """Drop storage of every token at position >= ``length`` in every layer (and free it)."""
+
+    # ---- shared behaviour ---------------------------------------------------------------
+    @property
+    def seq_length(self) -> int:
+        """Tokens cached in every layer: the position of the next token."""
+        return min(self._lengths)
+
+    def length(self, layer_idx: int) -> int:
+        return self._lengths[layer_idx]
+
+    def reserve(self, n_tokens: int) -> None:
+        """Hint that up to ``n_tokens`` will be cached, so storage can be allocated once."""
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first ``length`` tokens (e.g. after a rejected draft or a failed step)."""
+        if length < 0 or length > max(self._lengths):
+            raise ValueError(f"cannot truncate a cache of {self.seq_length} tokens to {length}")
+        self._release_from(length)
+        self._lengths = [min(n, length) for n in self._lengths]
+
+    def reset(self) -> None:
+        """Drop every token and free all storage."""
+        self.truncate(0)
+
+    def bytes_per_tier(self) -> dict[str, int]:
+        return {tier: self.ledger.current(tier) for tier in TIERS}
+
+    def peak_bytes_per_tier(self) -> dict[str, int]:
+        return {tier: self.ledger.peak(tier) for tier in TIERS}
+
+    def _advance(self, layer_idx: int, n_tokens: int) -> int:
+        """Record ``n_tokens`` appended to a layer; returns the layer's length before them."""
+        past = self._lengths[layer_idx]
+        if past + n_tokens > self.spec.max_tokens:
+            raise ValueError(f"KV cache full: {past} + {n_tokens} tokens exceed {self.spec.max_tokens}")
+        self._lengths[layer_idx] = past + n_tokens
+        return past
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    """Real storage bytes of tensors (what the ledger must equal)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+

@@ -1,0 +1,73 @@
+"""``dynamic``: all KV on the compute device, in one buffer per layer grown by whole pages."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridllm.kvcache.attention import causal_attention
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
+
+DEFAULT_PAGE_SIZE = 128
+
+
+class DynamicCache(KVCache):
+    """Contiguous per-layer K/V buffers on the device.
+
+    Capacity is a multiple of ``page_size`` tokens and at least doubles when it grows, so the
+    total copying over a generation is linear in its length (amortised O(1) per token), and
+    :meth:`reserve` lets the generator allocate the whole request once.
+    """
+
+    name = "dynamic"
+
+    def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, page_size: int = DEFAULT_PAGE_SIZE) -> None:
+        super().__init__(spec, ledger)
+        self.page_size = page_size
+        self._k: list[torch.Tensor | None] = [None] * spec.n_layers  # each (B, Hkv, capacity, D)
+        self._v: list[torch.Tensor | None] = [None] * spec.n_layers
+
+    def capacity(self, layer_idx: int) -> int:
+        buf = self._k[layer_idx]
+        return 0 if buf is None else buf.shape[2]
+
+    def reserve(self, n_tokens: int) -> None:
+        for layer_idx in range(self.spec.n_layers):
+            self._grow(layer_idx, min(n_tokens, self.spec.max_tokens), exact=True)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        n_new = k_new.shape[2]
+        past = self._advance(layer_idx, n_new)
+        total = past + n_new
+        self._grow(layer_idx, total)
+        k_buf, v_buf = self._k[layer_idx], self._v[layer_idx]
+        k_buf[:, :, past:total] = k_new
+        v_buf[:, :, past:total] = v_new
+        return causal_attention(q, k_buf[:, :, :total], v_buf[:, :, :total], query_start=past)
+
+    def _grow(self, layer_idx: int, needed: int, exact: bool = False) -> None:
+        capacity = self.capacity(layer_idx)
+        if needed <= capacity:
+            return
+        target = needed if exact else max(needed, 2 * capacity)
+        pages = -(-target // self.page_size)
+        new_capacity = min(pages * self.page_size, max(self.spec.max_tokens, needed))
+        spec = self.spec
+        shape = (spec.batch_size, spec.n_kv_heads, new_capacity, spec.head_dim)
+        k_buf = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+        v_buf = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+        used = self._lengths[layer_idx]
+        old_k, old_v = self._k[layer_idx], self._v[layer_idx]
+        if old_k is not None:
+            k_buf[:, :, :used] = old_k[:, :, :used]
+            v_buf[:, :, :used] = old_v[:, :, :used]
+            self.ledger.free("device", tensor_bytes(old_k, old_v))
+        self.ledger.allocate("device", tensor_bytes(k_buf, v_buf))
+        self._k[layer_idx], self._v[layer_idx] = k_buf, v_buf
+
+    def _release_from(self, length: int) -> None:
+        if length > 0:
+            return  # keep the buffers; positions >= length are simply overwritten later
+        for layer_idx in range(self.spec.n_layers):
+            if self._k[layer_idx] is not None:
+                self.ledger.free("device", tensor_bytes(self._k[layer_idx], self._v[layer_idx]))
+            self._k[layer_idx] = self._v[layer_idx] = None

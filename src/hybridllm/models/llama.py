@@ -1,0 +1,124 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain PyTorch.
+
+Parameter names equal Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...), so a
+checkpoint's state dict loads without renaming. The model does not know where KV lives: every
+attention layer hands its new keys and values to ``cache.attend`` and gets the output back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridllm.config import ModelConfig
+from hybridllm.kvcache.base import KVCache
+from hybridllm.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention whose score/softmax/value step is owned by the KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.n_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.n_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        batch, seq, _ = x.shape  # x: (B, T, hidden)
+        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = cache.attend(self.layer_idx, q, k, v)  # (B, H, T, D)
+        out = out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Embedding, the layers and the final norm (Hugging Face's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal language model.
+
+    Each layer may live on its own device; hidden states hop devices only at layer boundaries
+    (``hidden_state_hop`` counts those bytes for the metrics).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+        self.hop_bytes = 0  # bytes of hidden states moved between devices (layer boundaries)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.model.norm.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        start_pos: int,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run ``input_ids`` (B, T) at positions ``start_pos..start_pos+T-1`` through the model.
+
+        Returns logits (B, T, vocab) when ``all_logits`` else (B, 1, vocab) for the last token
+        only (prefill needs just that one, and the vocab projection is the largest matmul).
+        """
+        seq = input_ids.shape[1]
+        embed = self.model.embed_tokens
+        x = embed(input_ids.to(embed.weight.device))  # (B, T, hidden)
+        positions = torch.arange(start_pos, start_pos + seq)
+        tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.model.layers:
+            device = layer.input_layernorm.weight.device
+            x = self._hop(x, device)
+            if device not in tables:
+                cos, sin = self.rotary.cos_sin(positions, x.dtype)
+                tables[device] = (cos.to(device), sin.to(device))
+            x = layer(x, *tables[device], cache)
+        x = self._hop(x, self.model.norm.weight.device)
+        if not all_logits:
+            x = x[:, -1:, :]
+        x = self.model.norm(x)
+        x = self._hop(x, self.lm_head.weight.device)
+        return self.lm_head(x).float()
+
+    def _hop(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if x.device == device:
+            return x
+        self.hop_bytes += x.numel() * x.element_size()
+        return x.to(device)
