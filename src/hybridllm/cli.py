@@ -144,6 +144,7 @@ def generate(
         }))
     else:
         typer.echo("")
+        sys.stdout.flush()
         from hybridllm.report import print_metrics
 
         print_metrics(result.metrics, llm.cold_start)

@@ -36,9 +36,9 @@ class DynamicCache(KVCache):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         n_new = k_new.shape[2]
+        total = self.length(layer_idx) + n_new
+        self._grow(layer_idx, total)  # before _advance: the copy keeps the tokens cached so far
         past = self._advance(layer_idx, n_new)
-        total = past + n_new
-        self._grow(layer_idx, total)
         k_buf, v_buf = self._k[layer_idx], self._v[layer_idx]
         k_buf[:, :, past:total] = k_new
         v_buf[:, :, past:total] = v_new

@@ -1,0 +1,187 @@
+"""Write GGUF files the way llama.cpp's converter does (metadata, tokenizer, permuted Q/K rows).
+
+Used by ``hybridllm quantize`` and by the tests, which save tiny Hugging Face models as GGUF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridllm.config import ModelConfig
+from hybridllm.errors import ConfigError
+from hybridllm.loading.gguf import permute_rows
+from hybridllm.models.layers import rope_inverse_frequencies
+
+# Hugging Face parameter suffix -> GGUF tensor suffix (inverse of gguf.py's tables)
+_HF_TO_GGUF_BLOCK = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+GGUF_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf_name]
+    parts = hf_name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers":
+        suffix = ".".join(parts[3:])
+        if suffix in _HF_TO_GGUF_BLOCK:
+            return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK[suffix]}"
+    raise ConfigError(f"no GGUF name for tensor {hf_name}")
+
+
+def default_tensor_type(hf_name: str, tensor: torch.Tensor, weight_type: str) -> str:
+    """llama.cpp's choice: norms and biases stay F32; matrices get ``weight_type`` if rows allow."""
+    if tensor.ndim < 2:
+        return "F32"
+    if weight_type.startswith("Q") and tensor.shape[-1] % 32:
+        return "F16"
+    return weight_type
+
+
+def write_gguf(
+    path: str | os.PathLike,
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    tokenizer_metadata: Mapping[str, object] | None = None,
+    weight_type: str = "F32",
+    type_for: Callable[[str, torch.Tensor], str] | None = None,
+) -> Path:
+    """Write a GGUF file of a Llama-family model.
+
+    Args:
+        path: output file.
+        config: the model's numbers.
+        tensors: Hugging Face-named float tensors.
+        tokenizer_metadata: ``tokenizer.*`` keys (see :func:`tokenizer_metadata_from_hf`).
+        weight_type: GGML type of the weight matrices (one of ``QUANT_TYPES``).
+        type_for: optional per-tensor override ``(hf_name, tensor) -> type``.
+    """
+    import gguf
+
+    if weight_type not in QUANT_TYPES:
+        raise ConfigError(f"unsupported output type {weight_type!r}; choose one of {', '.join(QUANT_TYPES)}")
+    arch = "qwen2" if config.arch == "qwen2" else "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(config.name or "hybridllm model")
+    writer.add_file_type(GGUF_FILE_TYPES[weight_type])
+    writer.add_block_count(config.n_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    if config.head_dim != config.hidden_size // config.n_heads:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    if config.rope_scaling is not None and config.rope_scaling.kind == "llama3":
+        # llama.cpp stores llama3 scaling as per-dimension divisors of the base frequencies
+        scaled = rope_inverse_frequencies(config)
+        base = rope_inverse_frequencies(dataclasses.replace(config, rope_scaling=None))
+        writer.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+    for key, value in (tokenizer_metadata or {}).items():
+        _add_metadata(writer, key, value)
+    for hf_name, tensor in tensors.items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name = gguf_tensor_name(hf_name)
+        data = tensor.detach().float().cpu()
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            data = permute_rows(data, config.n_heads)
+        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            data = permute_rows(data, config.n_kv_heads)
+        qtype = (type_for or (lambda n, t: default_tensor_type(n, t, weight_type)))(hf_name, data)
+        array = data.numpy()
+        if qtype == "F32":
+            writer.add_tensor(name, array.astype(np.float32))
+        elif qtype == "F16":
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            gtype = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(name, gguf.quants.quantize(array, gtype), raw_shape=array.shape, raw_dtype=gtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _add_metadata(writer, key: str, value: object) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        writer.add_array(key, list(value))
+    else:
+        raise ConfigError(f"cannot write metadata {key} of type {type(value).__name__}")
+
+
+def tokenizer_metadata_from_hf(folder: str | os.PathLike) -> dict[str, object]:
+    """GGUF ``tokenizer.*`` metadata for a byte-level BPE ``tokenizer.json`` (the ``gpt2`` model)."""
+    folder = Path(folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise ConfigError("only byte-level BPE tokenizers can be written to GGUF here")
+    vocab: dict[str, int] = dict(model["vocab"])
+    special_ids = set()
+    for added in data.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        if added.get("special"):
+            special_ids.add(added["id"])
+    tokens = [""] * (max(vocab.values()) + 1)
+    for token, idx in vocab.items():
+        tokens[idx] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    meta: dict[str, object] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3 if i in special_ids else 1 for i in range(len(tokens))],
+        "tokenizer.ggml.merges": merges,
+    }
+    config_path = folder / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    for role in ("bos", "eos"):
+        token = tok_config.get(f"{role}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token in vocab:
+            meta[f"tokenizer.ggml.{role}_token_id"] = vocab[token]
+    if tok_config.get("chat_template"):
+        meta["tokenizer.chat_template"] = tok_config["chat_template"]
+    meta["tokenizer.ggml.add_bos_token"] = bool(tok_config.get("add_bos_token", False))
+    return meta

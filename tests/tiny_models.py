@@ -1,0 +1,101 @@
+"""Tiny random Llama-family models for tests, saved as Hugging Face folders and as GGUF files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TRAIN_TEXT = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Hybrid inference splits layers between the CPU and the GPU, and keeps the KV cache in tiers.",
+    "Paris is the capital of France; Berlin is the capital of Germany. 12345 67890!",
+    "def add(a, b):\n    return a + b\n",
+]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
+    """Train a byte-level BPE on a few sentences; save tokenizer files; return its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAIN_TEXT, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+    return tok.get_vocab_size()
+
+
+def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
+    """A transformers config of a tiny model of ``arch`` (llama, llama3, qwen2, mistral)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "llama3":
+        return LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": common["rope_theta"]})
+    if arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    raise ValueError(arch)
+
+
+def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides):
+    """Save a tiny random model of ``arch`` with its tokenizer in ``folder``; return the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(folder)
+    eos_id = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"].get("<|im_end|>")
+    if eos_id is None:
+        eos_id = next(t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
+                      if t["content"] == "<|im_end|>")
+    config = hf_config(arch, vocab, eos_id, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than HF's init so greedy choices are far from ties
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def save_as_gguf(hf_folder: Path, out_path: Path, weight_type: str = "F32") -> Path:
+    """Write the HF folder's model as a GGUF file, as llama.cpp's converter would."""
+    from safetensors.torch import load_file
+
+    from hybridllm.config import ModelConfig
+    from hybridllm.loading.gguf_writer import tokenizer_metadata_from_hf, write_gguf
+
+    config = ModelConfig.from_hf_dict(json.loads((hf_folder / "config.json").read_text()))
+    tensors = {}
+    for file in sorted(hf_folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return write_gguf(out_path, config, tensors, tokenizer_metadata_from_hf(hf_folder), weight_type)
