@@ -65,14 +65,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables for ``positions`` (T,), each (T, head_dim) in ``dtype``."""
-        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        """cos and sin tables for ``positions`` (B, T), each (B, 1, T, head_dim) in ``dtype``."""
+        freqs = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, T, D): broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, T, D) by the tables ``cos``/``sin`` (T, D)."""
+    """Rotate ``x`` (B, H, T, D) by the tables ``cos``/``sin`` (B or 1, 1, T, D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

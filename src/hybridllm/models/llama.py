@@ -90,18 +90,21 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         cache: KVCache,
-        start_pos: int,
+        start_pos: int | torch.Tensor,
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Run ``input_ids`` (B, T) at positions ``start_pos..start_pos+T-1`` through the model.
 
+        ``start_pos`` is an int shared by the batch, or a (B,) tensor with one start per row
+        (a batch of sequences of different lengths, as in continuous batching).
         Returns logits (B, T, vocab) when ``all_logits`` else (B, 1, vocab) for the last token
         only (prefill needs just that one, and the vocab projection is the largest matmul).
         """
         seq = input_ids.shape[1]
         embed = self.model.embed_tokens
         x = embed(input_ids.to(embed.weight.device))  # (B, T, hidden)
-        positions = torch.arange(start_pos, start_pos + seq)
+        starts = torch.as_tensor(start_pos).reshape(-1, 1)  # (B or 1, 1)
+        positions = starts + torch.arange(seq)  # (B or 1, T)
         tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self.model.layers:
             device = layer.input_layernorm.weight.device
