@@ -52,6 +52,43 @@ def partial_attention(
         out (B, H, T, D) in float32 and lse (B, H, T) in float32. Rows with no visible key get
         out = 0 and lse = -inf, so they drop out of :func:`merge_partials`.
     """
+    if q.device.type == "cpu" and _FUSED_CPU is not None and q.dtype == k.dtype == v.dtype:
+        return fused_partial_attention(q, k, v, mask)
+    return reference_partial_attention(q, k, v, mask)
+
+
+# PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp (a private op: if a
+# release drops it, the explicit version below takes over).
+_FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` through PyTorch's fused CPU kernel (no (T, S) score matrix)."""
+    batch, n_heads, n_queries, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    groups = n_heads // n_kv_heads
+    q_grouped = q.reshape(batch, n_kv_heads, groups * n_queries, head_dim)  # (B, Hkv, G*T, D)
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        bias = bias.repeat(groups, 1)  # (G*T, S)
+    out, lse = _FUSED_CPU(q_grouped, k, v, 0.0, False, attn_mask=bias)  # (B, Hkv, G*T, D), (B, Hkv, G*T)
+    out = out.float().reshape(batch, n_heads, n_queries, head_dim)
+    lse = lse.float().reshape(batch, n_heads, n_queries)
+    if mask is not None:
+        blind = ~mask.any(dim=-1)  # (T,): queries that see no key here; the kernel reports lse 0
+        if bool(blind.any()):
+            lse = lse.masked_fill(blind, float("-inf"))
+            out = out.masked_fill(blind[:, None], 0.0)
+    return out, lse
+
+
+def reference_partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` in explicit float32 matmuls (any device)."""
     batch, n_heads, n_queries, head_dim = q.shape
     n_kv_heads = k.shape[1]
     groups = n_heads // n_kv_heads

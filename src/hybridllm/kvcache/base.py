@@ -13,9 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridllm.errors import ConfigError
+from hybridllm.errors import ConfigError, HybridLLMError
 
 TIERS = ("device", "host")
+
+
+class KVBudgetError(HybridLLMError, RuntimeError):
+    """The device budget cannot hold even the KV that must stay on the device (sink tokens,
+    the newest partial page and the tokens being added); raise the budget or lower the
+    prefill chunk."""
 
 
 @dataclass
@@ -74,6 +80,11 @@ class MemoryLedger:
         """Whether ``extra_bytes`` more stay under the tier's eviction limit."""
         limit = self.limit(tier)
         return limit is None or self._tiers[tier].current + extra_bytes <= limit
+
+    def headroom(self, tier: str) -> int | None:
+        """Bytes that still fit under the tier's eviction limit (None when unlimited)."""
+        limit = self.limit(tier)
+        return None if limit is None else max(0, limit - self._tiers[tier].current)
 
     def over_threshold(self, tier: str) -> bool:
         return not self.fits(tier, 0)
@@ -147,6 +158,10 @@ class KVCache(ABC):
     def reserve(self, n_tokens: int) -> None:
         """Hint that up to ``n_tokens`` will be cached, so storage can be allocated once."""
 
+    def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors that hold the KV, per tier: the ledger's counts must equal their bytes."""
+        raise NotImplementedError(f"{type(self).__name__} does not list its storage")
+
     def truncate(self, length: int) -> None:
         """Roll back to the first ``length`` tokens (e.g. after a rejected draft or a failed step)."""
         if length < 0 or length > max(self._lengths):
@@ -163,6 +178,10 @@ class KVCache(ABC):
 
     def peak_bytes_per_tier(self) -> dict[str, int]:
         return {tier: self.ledger.peak(tier) for tier in TIERS}
+
+    def _count_bus(self, direction: str, nbytes: int) -> None:
+        """Record ``nbytes`` crossing between the tiers ("h2d" or "d2h"); logical when both are the CPU."""
+        self.bus_bytes[direction] += nbytes
 
     def _advance(self, layer_idx: int, n_tokens: int) -> int:
         """Record ``n_tokens`` appended to a layer; returns the layer's length before them."""

@@ -30,6 +30,9 @@ class DynamicCache(KVCache):
         buf = self._k[layer_idx]
         return 0 if buf is None else buf.shape[2]
 
+    def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"device": [t for t in (*self._k, *self._v) if t is not None], "host": []}
+
     def reserve(self, n_tokens: int) -> None:
         for layer_idx in range(self.spec.n_layers):
             self._grow(layer_idx, min(n_tokens, self.spec.max_tokens), exact=True)

@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Load test of ``hybridllm serve``: a bounded burst of chat requests over loopback.
+
+    .venv/bin/python bench/load_test.py --max-batch 16          # starts its own server, then stops it
+    .venv/bin/python bench/load_test.py --max-batch 1           # the same load without batching
+    .venv/bin/python bench/load_test.py --url http://127.0.0.1:8000 --model NAME   # an already running server
+
+Defaults: 64 requests, 16 in flight at once, 32 new tokens each (greedy, end-of-sequence
+ignored, so every request generates exactly that many), 16 different chat prompts in turn,
+streamed so time to first token is measured. Bounded: at most 256 requests and 64 in flight,
+a total time limit (``--time-limit``), and loopback addresses only.
+
+Prints requests/s, generated tokens/s, TTFT and latency percentiles and the failure count;
+``--json`` writes them. Exits 1 if any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three primary colors.",
+    "Tell me a joke about computers.",
+    "Explain gravity to a child.",
+    "What is 2+2? Explain your reasoning.",
+    "Name a fruit that is yellow.",
+    "Who wrote Hamlet?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Describe a cat in one paragraph.",
+    "What are the planets of the solar system?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How do airplanes fly?",
+    "Translate 'good morning' into French and Spanish.",
+    "Write a short poem about autumn leaves.",
+]
+MAX_REQUESTS = 256
+MAX_CONCURRENCY = 64
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft = None
+    usage = None
+    try:
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                return {"ok": False, "error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"ok": False, "error": chunk["error"]["message"]}
+                if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+    except httpx.HTTPError as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    latency = time.perf_counter() - start
+    if usage is None:
+        return {"ok": False, "error": "no usage in the stream"}
+    return {"ok": True, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
+            "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]}
+
+
+async def run_load(url: str, model: str, n_requests: int, concurrency: int, max_tokens: int,
+                   time_limit: float) -> dict[str, Any]:
+    semaphore = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(time_limit), limits=limits) as http:
+        async def bounded(i: int) -> dict[str, Any]:
+            async with semaphore:
+                return await one_request(http, url, model, PROMPTS[i % len(PROMPTS)], max_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(n_requests))), time_limit)
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+    failed = [r for r in results if not r["ok"]]
+    tokens = sum(r["completion_tokens"] for r in ok)
+    latencies = [r["latency_s"] for r in ok] or [0.0]
+    ttfts = [r["ttft_s"] for r in ok] or [0.0]
+    return {
+        "requests": n_requests,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "succeeded": len(ok),
+        "failed": len(failed),
+        "errors": sorted({r["error"] for r in failed})[:5],
+        "wall_s": wall,
+        "requests_per_s": len(ok) / wall,
+        "generated_tokens": tokens,
+        "generated_tokens_per_s": tokens / wall,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "latency_p50_s": statistics.median(latencies),
+        "latency_p99_s": percentile(latencies, 99),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "hybridllm.cli", "serve", "--port", str(port), "--max-batch",
+               str(args.max_batch), "--max-queue", str(max(256, args.requests)), "--log-level", "warning",
+               *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
+    print("starting:", " ".join(command[1:]), file=sys.stderr)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.terminate()
+    raise SystemExit("the server did not start within 300 s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running server (loopback only); default: start one")
+    parser.add_argument("--model", help="model id (default: the server's first model)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--time-limit", type=float, default=1200.0, help="seconds for the whole burst")
+    parser.add_argument("--max-batch", type=int, default=16, help="--max-batch of the server this script starts")
+    parser.add_argument("--threads", type=int, default=2, help="--threads of the server this script starts")
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra `hybridllm serve` argument")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    if not 1 <= args.requests <= MAX_REQUESTS or not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        parser.error(f"--requests must be in 1..{MAX_REQUESTS} and --concurrency in 1..{MAX_CONCURRENCY}")
+    proc = None
+    if args.url:
+        if urlparse(args.url).hostname not in LOOPBACK:
+            parser.error("--url must be a loopback address")
+        url = args.url.rstrip("/")
+    else:
+        proc, url = start_server(args)
+    try:
+        model = args.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        httpx.post(f"{url}/v1/chat/completions", timeout=300, json={  # warm-up, not measured
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        result = asyncio.run(run_load(url, model, args.requests, args.concurrency, args.max_tokens, args.time_limit))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    result["max_batch"] = args.max_batch if proc is not None else None
+    print(f"requests:          {result['succeeded']}/{result['requests']} ok, {result['failed']} failed "
+          f"({result['concurrency']} concurrent, {result['max_tokens']} new tokens each)")
+    print(f"wall time:         {result['wall_s']:.1f} s")
+    print(f"throughput:        {result['requests_per_s']:.2f} requests/s, "
+          f"{result['generated_tokens_per_s']:.1f} generated tokens/s")
+    print(f"TTFT p50 / p99:    {result['ttft_p50_s']:.2f} / {result['ttft_p99_s']:.2f} s")
+    print(f"latency p50 / p99: {result['latency_p50_s']:.2f} / {result['latency_p99_s']:.2f} s")
+    for error in result["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    sys.exit(1 if result["failed"] else 0)
+
+
+if __name__ == "__main__":
+    main()

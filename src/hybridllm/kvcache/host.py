@@ -1,0 +1,72 @@
+"""``host``: every token's KV, and the attention over it, on the host (CPU decode).
+
+Also the base of every strategy that keeps all KV in host RAM (see ``offloaded``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridllm.kvcache import transfer
+from hybridllm.kvcache.attention import causal_attention
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.storage import DenseKV
+
+DEFAULT_PAGE_SIZE = 128
+
+
+class HostResidentCache(KVCache):
+    """Base of strategies whose KV lives in host RAM: one contiguous :class:`DenseKV` per layer.
+
+    Args:
+        spec: shapes, dtype and devices.
+        ledger: the per-tier byte counter.
+        page_size: host buffers grow in multiples of this many tokens.
+        pin: page-lock the host buffers (for async copies to a CUDA device).
+    """
+
+    def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, page_size: int = DEFAULT_PAGE_SIZE,
+                 pin: bool = False) -> None:
+        super().__init__(spec, ledger)
+        self.page_size = page_size
+        self._stores = [DenseKV(self.ledger, "host", spec.host_device, spec, page_size, pin)
+                        for _ in range(spec.n_layers)]
+
+    def reserve(self, n_tokens: int) -> None:
+        for store in self._stores:
+            store.reserve(min(n_tokens, self.spec.max_tokens))
+
+    def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"device": [], "host": [t for store in self._stores for t in store.tensors()]}
+
+    def _release_from(self, length: int) -> None:
+        transfer.synchronize(self.spec.device)  # pending copies into host buffers land first
+        for store in self._stores:
+            if length == 0:
+                store.release()
+            elif store.length > length:
+                store.truncate(length)
+                store.trim()
+
+
+class HostCache(HostResidentCache):
+    """All KV and attention on the host: only q, the new K/V and the output cross the bus.
+
+    Args:
+        spec: shapes, dtype and devices (``spec.host_device`` holds and attends).
+        ledger: the per-tier byte counter (all bytes land in "host").
+        page_size: host buffers grow in multiples of this many tokens.
+    """
+
+    name = "host"
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        store = self._stores[layer_idx]
+        past = self._advance(layer_idx, k_new.shape[2])
+        self._count_bus("d2h", store.append(k_new, v_new))
+        q_host = q.to(self.spec.host_device)
+        self._count_bus("d2h", tensor_bytes(q))
+        keys, values = store.read()  # (B, Hkv, past+T, D)
+        out = causal_attention(q_host, keys, values, query_start=past)
+        self._count_bus("h2d", tensor_bytes(out))
+        return out.to(q.device)

@@ -1,0 +1,100 @@
+"""``quantized``: KV on the device as int8/int4 groups, with a full-precision residual window.
+
+Per layer, tokens ``0 .. packed-1`` live in a :class:`QuantizedKV` (keys per channel in
+groups of ``group_size`` tokens, values per token in groups of channels) and the newest
+tokens in a small :class:`DenseKV` residual of at most ``residual + group_size - 1`` tokens.
+Attention dequantizes the packed prefix, appends the residual and the new tokens, and runs
+the causal kernel; afterwards every whole group older than the newest ``residual`` tokens is
+quantized. With ``residual=0`` every complete key group is quantized (a key group needs
+``group_size`` tokens before its per-channel range is known, so < ``group_size`` tokens wait).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridllm.kvcache.attention import causal_attention
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.storage import DenseKV, QuantizedKV
+
+
+class QuantizedCache(KVCache):
+    """Group-wise quantized KV on the compute device.
+
+    Args:
+        spec: shapes, dtype and device.
+        ledger: the per-tier byte counter (all bytes in "device").
+        bits: 8 or 4.
+        group_size: tokens per key group and channels per value group.
+        residual: newest tokens kept in full precision (0: quantize all complete groups).
+    """
+
+    name = "quantized"
+
+    def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, bits: int = 8, group_size: int = 64,
+                 residual: int = 128) -> None:
+        super().__init__(spec, ledger)
+        if group_size < 1 or residual < 0:
+            raise ValueError(f"group_size must be >= 1 and residual >= 0, got {group_size}, {residual}")
+        self.bits, self.group_size, self.residual = bits, group_size, residual
+        self._residual_capacity = residual + group_size - 1  # the most full-precision tokens ever held
+        self._packed = [QuantizedKV(self.ledger, "device", spec.device, spec, bits, group_size)
+                        for _ in range(spec.n_layers)]
+        self._recent = [DenseKV(self.ledger, "device", spec.device, spec) for _ in range(spec.n_layers)]
+
+    def reserve(self, n_tokens: int) -> None:
+        n_tokens = min(n_tokens, self.spec.max_tokens)
+        for packed, recent in zip(self._packed, self._recent):
+            packed.reserve(max(0, n_tokens - self.residual))
+            recent.reserve(min(n_tokens, self._residual_capacity))
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        packed, recent = self._packed[layer_idx], self._recent[layer_idx]
+        past = self._advance(layer_idx, k_new.shape[2])
+        recent.reserve(self._residual_capacity)  # fixed size: the new tokens never all land in it
+        recent_k, recent_v = recent.read()
+        tail_k = torch.cat([recent_k, k_new], dim=2)  # (B, Hkv, n_recent+T, D)
+        tail_v = torch.cat([recent_v, v_new], dim=2)
+        if packed.length:
+            old_k, old_v = packed.read()  # (B, Hkv, packed, D), dequantized
+            keys, values = torch.cat([old_k, tail_k], dim=2), torch.cat([old_v, tail_v], dim=2)  # (B, Hkv, past+T, D)
+        else:
+            keys, values = tail_k, tail_v
+        out = causal_attention(q, keys, values, query_start=past)
+        self._settle(packed, recent, tail_k, tail_v, k_new, v_new)
+        return out
+
+    def _settle(self, packed: QuantizedKV, recent: DenseKV, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Quantize every whole group older than the newest ``residual`` tokens; keep the rest."""
+        n_tail = tail_k.shape[2]
+        n_move = max(0, n_tail - self.residual) // self.group_size * self.group_size
+        if n_move == 0:
+            recent.append(k_new, v_new)
+            return
+        packed.append(tail_k[:, :, :n_move], tail_v[:, :, :n_move])
+        recent.truncate(0)
+        recent.append(tail_k[:, :, n_move:], tail_v[:, :, n_move:])
+
+    def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
+        stores = [*self._packed, *self._recent]
+        return {"device": [t for store in stores for t in store.tensors()], "host": []}
+
+    def _release_from(self, length: int) -> None:
+        for layer_idx, (packed, recent) in enumerate(zip(self._packed, self._recent)):
+            if length == 0:
+                packed.release()
+                recent.release()
+            elif self.length(layer_idx) > length:
+                if length >= packed.length:
+                    recent.truncate(length - packed.length)
+                    packed.trim()
+                    continue
+                # The cut falls in a quantized group: its surviving tokens return to full
+                # precision (as their dequantized values) and the group is dropped.
+                keep = length // self.group_size * self.group_size
+                back_k, back_v = packed.read(keep, length)
+                packed.truncate(keep)
+                packed.trim()
+                recent.truncate(0)
+                recent.append(back_k, back_v)

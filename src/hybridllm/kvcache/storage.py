@@ -1,0 +1,315 @@
+"""Where KV bytes live: ledgered buffers, and token stores built on them.
+
+``LedgeredBuffer`` is a set of tensors that grow together along the token axis in one tier;
+every allocation and free goes through the :class:`~hybridllm.kvcache.base.MemoryLedger`, so
+the ledger always equals the real tensor bytes. A token store keeps tokens ``0 .. length-1``
+of one layer in such a buffer: :class:`DenseKV` in the compute dtype, :class:`QuantizedKV`
+group-wise quantized. Every strategy is assembled from these two stores.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from hybridllm.kvcache import transfer
+from hybridllm.kvcache.base import KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.quantize import SCALE_DTYPE, channel_group, dequantize, packed_size, quantize
+
+
+@dataclass(frozen=True)
+class Field:
+    """One tensor of a buffer: shape (B, Hkv, capacity // tokens_per_row, *tail) of ``dtype``."""
+
+    tail: tuple[int, ...]
+    dtype: torch.dtype
+    tokens_per_row: int = 1  # e.g. per-channel key scales: one row per group of tokens
+
+
+class LedgeredBuffer:
+    """Tensors growing together along the token axis (dim 2), in one tier, accounted by the ledger.
+
+    Args:
+        ledger: receives every allocation and free.
+        tier: "device" or "host".
+        device: where the tensors are allocated.
+        lead: the leading dims (B, Hkv).
+        fields: name -> :class:`Field`.
+        granule: capacities are multiples of this many tokens (a multiple of every ``tokens_per_row``).
+        pin: page-lock host memory (only when CUDA is available).
+    """
+
+    def __init__(
+        self, ledger: MemoryLedger, tier: str, device: torch.device, lead: tuple[int, int],
+        fields: dict[str, Field], granule: int = 1, pin: bool = False,
+    ) -> None:
+        for name, field_spec in fields.items():
+            if granule % field_spec.tokens_per_row:
+                raise ValueError(f"granule {granule} is not a multiple of field {name}'s tokens per row")
+        self.ledger, self.tier, self.device, self.lead = ledger, tier, device, lead
+        self.fields, self.granule = fields, granule
+        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.capacity = 0  # tokens
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._bytes_per_granule = sum(
+            math.prod(lead) * (granule // f.tokens_per_row) * math.prod(f.tail) * _element_size(f.dtype)
+            for f in fields.values()
+        )
+
+    def round_up(self, tokens: int) -> int:
+        return -(-tokens // self.granule) * self.granule
+
+    def nbytes(self, capacity: int | None = None) -> int:
+        """Bytes held at ``capacity`` tokens (default: the current capacity)."""
+        cap = self.capacity if capacity is None else self.round_up(capacity)
+        return cap // self.granule * self._bytes_per_granule
+
+    def max_capacity(self) -> int | None:
+        """Largest capacity whose allocation fits under the tier's eviction limit while the
+        current tensors are still alive (a resize holds both); None when the tier is unlimited."""
+        headroom = self.ledger.headroom(self.tier)
+        if headroom is None:
+            return None
+        return headroom // self._bytes_per_granule * self.granule  # so that ledger.fits(nbytes(it)) holds
+
+    def resize(self, capacity: int, keep: int) -> None:
+        """Reallocate to ``capacity`` tokens (rounded up to the granule), keeping tokens ``0 .. keep-1``."""
+        capacity = self.round_up(capacity)
+        if capacity == self.capacity:
+            return
+        if keep > min(capacity, self.capacity):
+            raise ValueError(f"cannot keep {keep} tokens when resizing {self.capacity} -> {capacity}")
+        if self.pin and self.tensors:
+            transfer.synchronize(torch.device("cuda"))  # async writes into pinned memory must land first
+        new = {
+            name: transfer.empty((*self.lead, capacity // f.tokens_per_row, *f.tail), f.dtype, self.device, self.pin)
+            for name, f in self.fields.items()
+        } if capacity else {}
+        self.ledger.allocate(self.tier, tensor_bytes(*new.values()))
+        if keep:
+            for name, f in self.fields.items():
+                rows = keep // f.tokens_per_row
+                new[name][:, :, :rows] = self.tensors[name][:, :, :rows]
+        self.ledger.free(self.tier, tensor_bytes(*self.tensors.values()))
+        self.tensors, self.capacity = new, capacity
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """View of field ``name`` for tokens ``start .. end-1`` (aligned to its tokens per row)."""
+        per_row = self.fields[name].tokens_per_row
+        if start % per_row or (end % per_row and end != self.capacity):
+            raise ValueError(f"field {name}: tokens {start}..{end} are not aligned to groups of {per_row}")
+        return self.tensors[name][:, :, start // per_row:-(-end // per_row)]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def growth_target(needed: int, capacity: int, cap: int | None) -> int:
+    """Capacity to grow to: at least double (amortised O(1) copying per token), at most ``cap``
+    (but never below ``needed``). Plain ints."""
+    target = max(needed, 2 * capacity)
+    if cap is not None:
+        target = max(needed, min(target, cap))
+    return target
+
+
+class TokenStore(ABC):
+    """Tokens ``0 .. length-1`` of one layer's keys and values, in one tier.
+
+    Subclasses say how (K, V) are encoded into the buffer's fields and decoded back.
+
+    Args:
+        buffer: the storage.
+        spec: the cache's shape and compute dtype.
+    """
+
+    def __init__(self, buffer: LedgeredBuffer, spec: KVSpec) -> None:
+        self.buffer = buffer
+        self.spec = spec
+        self.length = 0
+
+    # ---- encoding -----------------------------------------------------------------------
+    @abstractmethod
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(B, Hkv, n, D) keys/values -> one tensor per field, token rows along dim 2."""
+
+    @abstractmethod
+    def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``start .. end-1`` as (B, Hkv, end-start, D) in the compute dtype."""
+
+    # ---- shared behaviour ---------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.buffer.capacity
+
+    @property
+    def tier(self) -> str:
+        return self.buffer.tier
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.buffer.tensors.values())
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate room for ``tokens`` at once (never shrinks)."""
+        if tokens > self.capacity:
+            self.buffer.resize(tokens, keep=self.length)
+
+    def ensure(self, needed: int, cap: int | None = None) -> None:
+        """Room for ``needed`` tokens, growing by doubling up to ``cap`` (default: the context window)."""
+        if needed <= self.capacity:
+            return
+        cap = self.spec.max_tokens if cap is None else cap
+        self.buffer.resize(growth_target(needed, self.capacity, cap), keep=self.length)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, non_blocking: bool = False) -> int:
+        """Append (B, Hkv, n, D) keys/values (from any device); returns the bytes written.
+
+        ``non_blocking`` lets a copy from the device return before it lands (the host must
+        then not read the store before a synchronize; device readers are stream-ordered).
+        """
+        n = k.shape[2]
+        if n == 0:
+            return 0
+        encoded = self._encode(k, v)
+        self.ensure(self.length + n)
+        for name, value in encoded.items():
+            dst = self.buffer.rows(name, self.length, self.length + n)
+            if non_blocking:
+                transfer.copy_ordered(dst, value)
+            else:
+                dst.copy_(value)
+        self.length += n
+        return tensor_bytes(*encoded.values())
+
+    def read(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``start .. end-1``: (B, Hkv, end-start, D) in the compute dtype."""
+        end = self.length if end is None else end
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"read {start}..{end} outside the {self.length} stored tokens")
+        if start == end:  # possibly nothing allocated yet
+            spec = self.spec
+            shape = (spec.batch_size, spec.n_kv_heads, 0, spec.head_dim)
+            empty = torch.empty(shape, dtype=spec.dtype, device=self.device)
+            return empty, empty
+        return self._decode(start, end)
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens ``length ..`` (storage is kept for reuse)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a store of {self.length} tokens to {length}")
+        self.length = length
+
+    def trim(self) -> None:
+        """After a rollback, give back capacity far beyond the stored tokens (keeps room to double)."""
+        if self.length == 0:
+            self.release()
+        elif self.capacity > 4 * self.buffer.round_up(self.length):
+            self.buffer.resize(2 * self.length, keep=self.length)
+
+    def release(self) -> None:
+        """Forget every token and free the storage."""
+        self.buffer.resize(0, keep=0)
+        self.length = 0
+
+
+class DenseKV(TokenStore):
+    """Keys and values in the compute dtype: fields k, v of shape (B, Hkv, capacity, D).
+
+    Args:
+        ledger, tier, device: where the bytes are and who counts them.
+        spec: shape and dtype.
+        granule: capacities are multiples of this many tokens (the page size).
+        pin: page-locked host memory (for async copies to a CUDA device).
+    """
+
+    def __init__(
+        self, ledger: MemoryLedger, tier: str, device: torch.device, spec: KVSpec, granule: int = 1,
+        pin: bool = False,
+    ) -> None:
+        fields = {name: Field((spec.head_dim,), spec.dtype) for name in ("k", "v")}
+        super().__init__(LedgeredBuffer(ledger, tier, device, (spec.batch_size, spec.n_kv_heads), fields, granule, pin),
+                         spec)
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"k": k, "v": v}
+
+    def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.buffer.rows("k", start, end), self.buffer.rows("v", start, end)
+
+    def remove(self, start: int, n: int) -> None:
+        """Drop tokens ``start .. start+n-1``, shifting the later ones down (used to evict hot pages)."""
+        if n == 0:
+            return
+        end = self.length
+        if start < 0 or start + n > end:
+            raise ValueError(f"remove {start}..{start + n} outside the {end} stored tokens")
+        for name in ("k", "v"):
+            tensor = self.buffer.tensors[name]  # (B, Hkv, capacity, D)
+            tensor[:, :, start:end - n] = tensor[:, :, start + n:end].clone()  # ranges may overlap
+        self.length = end - n
+
+
+class QuantizedKV(TokenStore):
+    """Keys per channel and values per token, group-wise int8/int4 (see :mod:`.quantize`).
+
+    Fields: k_codes/v_codes (B, Hkv, capacity, D*bits/8) uint8; k_scale/k_zero
+    (B, Hkv, capacity/group, D) float16; v_scale/v_zero (B, Hkv, capacity, D/channel_group)
+    float16. Tokens are appended and truncated in whole key groups of ``group`` tokens.
+
+    Args:
+        ledger, tier, device: where the bytes are and who counts them.
+        spec: shape and compute dtype (what :meth:`read` returns).
+        bits: 8 or 4.
+        group: tokens per key group (and channels per value group, when it divides head_dim).
+        granule: capacities are multiples of this many tokens (a multiple of ``group``).
+    """
+
+    def __init__(
+        self, ledger: MemoryLedger, tier: str, device: torch.device, spec: KVSpec, bits: int, group: int,
+        granule: int | None = None,
+    ) -> None:
+        self.bits, self.group = bits, group
+        self.v_group = channel_group(spec.head_dim, group)
+        code_tail = (packed_size(spec.head_dim, bits),)
+        fields = {
+            "k_codes": Field(code_tail, torch.uint8),
+            "k_scale": Field((spec.head_dim,), SCALE_DTYPE, tokens_per_row=group),
+            "k_zero": Field((spec.head_dim,), SCALE_DTYPE, tokens_per_row=group),
+            "v_codes": Field(code_tail, torch.uint8),
+            "v_scale": Field((spec.head_dim // self.v_group,), SCALE_DTYPE),
+            "v_zero": Field((spec.head_dim // self.v_group,), SCALE_DTYPE),
+        }
+        granule = group if granule is None else granule
+        lead = (spec.batch_size, spec.n_kv_heads)
+        super().__init__(LedgeredBuffer(ledger, tier, device, lead, fields, granule), spec)
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        if k.shape[2] % self.group:
+            raise ValueError(f"quantized store takes whole groups of {self.group} tokens, got {k.shape[2]}")
+        k_codes, k_scale, k_zero = quantize(k, self.bits, self.group, dim=2)  # per channel: groups of tokens
+        v_codes, v_scale, v_zero = quantize(v, self.bits, self.v_group, dim=3)  # per token: groups of channels
+        return {"k_codes": k_codes, "k_scale": k_scale, "k_zero": k_zero,
+                "v_codes": v_codes, "v_scale": v_scale, "v_zero": v_zero}
+
+    def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = start // self.group * self.group  # key groups are decoded whole
+        last = -(-end // self.group) * self.group
+        rows = {name: self.buffer.rows(name, first, last) for name in self.buffer.fields}
+        dtype = self.spec.dtype
+        k = dequantize(rows["k_codes"], rows["k_scale"], rows["k_zero"], self.bits, self.group, 2, dtype)
+        v = dequantize(rows["v_codes"], rows["v_scale"], rows["v_zero"], self.bits, self.v_group, 3, dtype)
+        lo, hi = start - first, end - first
+        return k[:, :, lo:hi], v[:, :, lo:hi]  # (B, Hkv, end-start, D)
+
+    def truncate(self, length: int) -> None:
+        if length % self.group:
+            raise ValueError(f"quantized store truncates to whole groups of {self.group} tokens, got {length}")
+        super().truncate(length)

@@ -1,0 +1,177 @@
+"""``tiered``: a hot window on the device, cold pages on the host, attention split between them.
+
+Per layer a :class:`~hybridllm.kvcache.paging.PageTable` says which tokens are hot (the sink
+tokens, then the newest pages) and which are cold (older pages). The hot tokens live in a
+contiguous :class:`DenseKV` on the device; cold pages in a host store, in the compute dtype
+or group-wise 4/8-bit (:class:`QuantizedKV`, quantized on the device before the move).
+
+Attention never moves cold KV to the device: the device attends to the hot tokens while the
+host attends to the cold pages (on CUDA the hot kernels are queued first and run while the
+host computes), then the host's partial output and log-sum-exp cross to the device and the
+two are merged exactly (:func:`~hybridllm.kvcache.attention.merge_partials`).
+
+Pages move hot -> cold when the window slides past them (or, with ``offload_percent``, when
+the host's share of the tokens falls below that percentage) and when the device ledger would
+cross its eviction limit. Before new tokens are appended, the pages the policy wants at the
+new length (and what the budget needs) move first; the new tokens themselves stay hot while
+they attend, so cold keys always precede every query.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridllm.kvcache import transfer
+from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.paging import (
+    PageTable,
+    fraction_cold_pages,
+    pages_to_evict,
+    pages_to_settle,
+    window_cold_pages,
+)
+from hybridllm.kvcache.quantize import token_group
+from hybridllm.kvcache.storage import DenseKV, QuantizedKV, TokenStore
+
+
+class TieredCache(KVCache):
+    """Hot window (plus sink tokens) on the device, cold pages on the host, split attention.
+
+    Args:
+        spec: shapes, dtype and devices (``spec.device`` hot, ``spec.host_device`` cold).
+        ledger: the per-tier byte counter; its "device" budget bounds the hot tokens.
+        page_size: tokens per page (the unit that moves).
+        hot_window: the newest tokens kept on the device (pages wholly older move to the host).
+        sink_tokens: leading tokens that stay on the device forever.
+        cold_bits: 16 keeps cold pages in the compute dtype; 8 or 4 quantizes them group-wise.
+        group_size: quantization group (tokens per key group, channels per value group).
+        offload_percent: if set, keep this percentage of the cached tokens on the host instead
+            of a window.
+    """
+
+    name = "tiered"
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        ledger: MemoryLedger | None = None,
+        page_size: int = 128,
+        hot_window: int = 512,
+        sink_tokens: int = 0,
+        cold_bits: int = 16,
+        group_size: int = 64,
+        offload_percent: float | None = None,
+    ) -> None:
+        super().__init__(spec, ledger)
+        if cold_bits not in (16, 8, 4):
+            raise ValueError(f"cold_bits must be 16, 8 or 4, got {cold_bits}")
+        self.page_size, self.hot_window, self.sink_tokens = page_size, hot_window, sink_tokens
+        self.cold_bits, self.offload_percent = cold_bits, offload_percent
+        n = spec.n_layers
+        self._tables = [PageTable(page_size, sink_tokens) for _ in range(n)]
+        self._hot = [DenseKV(self.ledger, "device", spec.device, spec, granule=page_size) for _ in range(n)]
+        self._cold: list[TokenStore]
+        if cold_bits == 16:
+            self._cold = [DenseKV(self.ledger, "host", spec.host_device, spec, granule=page_size) for _ in range(n)]
+        else:
+            group = token_group(page_size, group_size)
+            self._cold = [QuantizedKV(self.ledger, "host", spec.host_device, spec, cold_bits, group, page_size)
+                          for _ in range(n)]
+
+    # ---- the contract -------------------------------------------------------------------
+    def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        table, hot = self._tables[layer_idx], self._hot[layer_idx]
+        n_new = k_new.shape[2]
+        max_hot = self._max_hot_tokens(hot)
+        self._evict(layer_idx, pages_to_evict(table, n_new, self._target_cold_pages(table.length + n_new), max_hot))
+        hot.ensure(table.hot_tokens + n_new, cap=max_hot)
+        self._advance(layer_idx, n_new)
+        table.append(n_new)
+        hot.append(k_new, v_new)
+        out = self._attention(layer_idx, q)
+        self._evict(layer_idx, pages_to_settle(table, self._target_cold_pages(table.length)))
+        return out
+
+    def reserve(self, n_tokens: int) -> None:
+        """Allocate the hot stores once for what the policy keeps hot (within the device budget)."""
+        n_tokens = min(n_tokens, self.spec.max_tokens)
+        if self.offload_percent is None:
+            hot = self.sink_tokens + self.hot_window + self.page_size
+        else:
+            hot = self.sink_tokens + int(n_tokens * (1 - self.offload_percent / 100)) + self.page_size
+        for store in self._hot:
+            most = store.buffer.max_capacity()
+            store.reserve(min(n_tokens, hot) if most is None else min(n_tokens, hot, most))
+
+    def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"device": [t for store in self._hot for t in store.tensors()],
+                "host": [t for store in self._cold for t in store.tensors()]}
+
+    def hot_tokens(self, layer_idx: int) -> int:
+        """Tokens of a layer on the device (sinks included)."""
+        return self._tables[layer_idx].hot_tokens
+
+    def cold_tokens(self, layer_idx: int) -> int:
+        """Tokens of a layer on the host."""
+        return self._tables[layer_idx].cold_tokens
+
+    # ---- policy -------------------------------------------------------------------------
+    def _target_cold_pages(self, length: int) -> int:
+        if self.offload_percent is not None:
+            return fraction_cold_pages(length, self.offload_percent, self.sink_tokens, self.page_size)
+        return window_cold_pages(length, self.hot_window, self.sink_tokens, self.page_size)
+
+    def _max_hot_tokens(self, hot: DenseKV) -> int | None:
+        """Most tokens a layer's hot store may hold: its capacity, or more if the ledger allows it to grow."""
+        grow_to = hot.buffer.max_capacity()
+        return None if grow_to is None else max(hot.capacity, grow_to)
+
+    def _evict(self, layer_idx: int, n_pages: int) -> None:
+        """Move the ``n_pages`` oldest hot pages of a layer to the cold store."""
+        if n_pages == 0:
+            return
+        hot, cold = self._hot[layer_idx], self._cold[layer_idx]
+        start, n_tokens = self._tables[layer_idx].evict(n_pages)
+        keys, values = hot.read(start, start + n_tokens)  # (B, Hkv, n_pages*page, D)
+        self._count_bus("d2h", cold.append(keys, values))  # quantized on the device first if cold_bits < 16
+        hot.remove(start, n_tokens)
+        self.pages_moved += n_pages
+
+    # ---- split attention ----------------------------------------------------------------
+    def _attention(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        hot, cold = self._hot[layer_idx], self._cold[layer_idx]
+        n_queries, n_hot = q.shape[2], hot.length
+        hot_k, hot_v = hot.read()  # (B, Hkv, n_hot, D): sinks, older hot tokens, then the queries' own
+        if cold.length == 0:
+            return causal_attention(q, hot_k, hot_v, query_start=n_hot - n_queries)
+        q_host, q_ready = transfer.to_host_async(q, self.spec.host_device)  # queued before the hot kernels
+        mask = causal_mask(n_queries, n_hot, n_hot - n_queries, q.device) if n_queries > 1 else None
+        hot_part = partial_attention(q, hot_k, hot_v, mask)  # async on CUDA
+        transfer.host_wait(q_ready)
+        cold_k, cold_v = cold.read()  # (B, Hkv, n_cold, D); every cold key precedes every query
+        cold_out, cold_lse = partial_attention(q_host, cold_k, cold_v)
+        self._count_bus("d2h", tensor_bytes(q))
+        self._count_bus("h2d", tensor_bytes(cold_out, cold_lse))
+        cold_part = (cold_out.to(q.device, non_blocking=True), cold_lse.to(q.device, non_blocking=True))
+        return merge_partials([hot_part, cold_part]).to(q.dtype)
+
+    # ---- truncation ---------------------------------------------------------------------
+    def _release_from(self, length: int) -> None:
+        for layer_idx, (table, hot, cold) in enumerate(zip(self._tables, self._hot, self._cold)):
+            if length == 0:
+                hot.release()
+                cold.release()
+                self._tables[layer_idx] = PageTable(self.page_size, self.sink_tokens)
+                continue
+            if table.length <= length:
+                continue
+            plan = table.truncate(length)
+            restored = cold.read(*plan.restore) if plan.restored_tokens else None
+            cold.truncate(plan.cold_keep)
+            hot.truncate(plan.hot_keep)
+            if restored is not None:  # a partial page is always hot: it comes back
+                self._count_bus("h2d", hot.append(*restored))
+                self.pages_moved += 1
+            cold.trim()
+            hot.trim()

@@ -1,0 +1,429 @@
+"""The OpenAI-compatible HTTP API (FastAPI) in front of a continuous-batching scheduler.
+
+    from hybridllm import LLM
+    from hybridllm.engine.scheduler import Scheduler
+    from hybridllm.server.app import create_app
+
+    app = create_app(Scheduler(LLM(), max_batch=16))   # serve with uvicorn.run(app, ...)
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and the OpenAPI schema at
+``/openapi.json`` (``/docs`` renders it). Errors are OpenAI error objects. When an API key is
+set, every ``/v1`` route needs ``Authorization: Bearer <key>``.
+
+The HTTP side runs on the asyncio loop; the model runs only on the scheduler's loop thread,
+which hands events back with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridllm import __version__
+from hybridllm.config import SamplingParams
+from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
+from hybridllm.errors import HybridLLMError
+from hybridllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from hybridllm.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    error_body,
+)
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+MAX_STOP_STRINGS = 16
+DISCONNECT_POLL_S = 0.5
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    503: {"model": ErrorResponse, "description": "Queue full (see Retry-After)"},
+}
+
+
+def default_model_name(llm: Any) -> str:
+    """The served model id: the checkpoint's file or folder name (``SmolLM2-135M-Instruct.Q4_1``)."""
+    path = getattr(getattr(llm, "checkpoint", None), "path", None)
+    if path is not None:
+        p = Path(path)
+        return p.stem if p.suffix in (".gguf", ".safetensors") else p.name
+    return llm.config.name or "hybridllm"
+
+
+def create_app(
+    scheduler: Scheduler,
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    manage_scheduler: bool = True,
+) -> FastAPI:
+    """Build the app around ``scheduler``.
+
+    Args:
+        scheduler: the engine; its observer is replaced by this app's metrics.
+        model_name: the served model id (default: from the checkpoint's path).
+        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
+        manage_scheduler: start the scheduler's loop with the app and stop it at shutdown.
+    """
+    llm = scheduler.llm
+    served = model_name or default_model_name(llm)
+    aliases = {served, default_model_name(llm)}
+    if llm.config.name:
+        aliases.add(llm.config.name)
+    path = getattr(getattr(llm, "checkpoint", None), "path", None)
+    if path is not None:
+        aliases.add(Path(path).name)
+    metrics = ServerMetrics(scheduler, served)
+    scheduler.observer = metrics
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if manage_scheduler:
+            scheduler.start()
+        try:
+            yield
+        finally:
+            if manage_scheduler:
+                await run_in_threadpool(scheduler.stop)
+
+    app = FastAPI(
+        title="hybridllm",
+        version=__version__,
+        description="OpenAI-compatible API of hybridllm, with continuous batching.",
+        lifespan=lifespan,
+    )
+    app.state.scheduler = scheduler
+    app.state.metrics = metrics
+    app.state.model_name = served
+
+    # ---- errors --------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
+        if exc.status == 401:
+            metrics.on_rejected("unauthorized")
+        elif exc.status == 400 and exc.code != "kv_budget_exceeded":
+            metrics.on_rejected("invalid")
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.on_rejected("invalid")
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            param = None
+        elif first.get("type") == "missing":
+            message = f"missing required parameter: {param or 'body'}"
+        else:
+            message = f"invalid value for {param or 'the body'}: {first.get('msg', 'invalid')}"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+        return JSONResponse(error_body(message, param=param, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
+
+    # ---- auth ----------------------------------------------------------------------------
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send it as 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    auth = [Depends(check_api_key)]
+
+    # ---- helpers -------------------------------------------------------------------------
+    def check_model(name: str) -> None:
+        if name not in aliases:
+            raise APIError(400, f"the model '{name}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")
+
+    def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                        default_max: int | None, prompt_len: int) -> SamplingParams:
+        if req.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (only 0); use repetition_penalty", param=name)
+        ctx = scheduler.context_length
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context window is {ctx}; "
+                           f"shorten it", param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = default_max if default_max is not None else ctx - prompt_len
+        if prompt_len + max_tokens > ctx:
+            raise APIError(400, f"this model's context window is {ctx} tokens, but {prompt_len + max_tokens} were "
+                           f"requested ({prompt_len} in the prompt, {max_tokens} for the completion); lower "
+                           f"max_tokens to at most {ctx - prompt_len}", param="max_tokens",
+                           code="context_length_exceeded")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else float(req.temperature),
+                top_p=1.0 if req.top_p is None else float(req.top_p),
+                top_k=max(0, req.top_k or 0),
+                min_p=req.min_p or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                seed=req.seed,
+                stop=stop,
+                ignore_eos=bool(req.ignore_eos),
+            )
+        except HybridLLMError as exc:
+            raise APIError(400, str(exc)) from None
+
+    def submit(request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue[SeqEvent]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+
+        def sink(event: SeqEvent) -> None:  # called on the scheduler thread
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        try:
+            scheduler.submit(request_id, prompt_ids, params, sink)
+        except QueueFullError as exc:
+            metrics.on_rejected("queue_full")
+            raise APIError(503, str(exc), type="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except AdmissionError as exc:
+            metrics.on_rejected("kv_budget")
+            raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+        except HybridLLMError as exc:
+            raise APIError(400, str(exc)) from None
+        return queue
+
+    async def collect(request: Request, request_id: str, queue: asyncio.Queue[SeqEvent]) -> SeqEvent | None:
+        """Wait for the last event; None (and the request aborted) if the client went away."""
+        finished = False
+        getter: asyncio.Future[SeqEvent] | None = None
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(queue.get())
+                # asyncio.wait (unlike wait_for) never cancels the getter, so no event can be lost
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if not done:
+                    if await request.is_disconnected():
+                        return None
+                    continue
+                event, getter = getter.result(), None
+                if event.finished:
+                    finished = True
+                    return event
+        finally:
+            if getter is not None:
+                getter.cancel()
+            if not finished:
+                scheduler.abort(request_id)
+
+    def raise_event_error(event: SeqEvent) -> None:
+        if event.error is not None:
+            raise APIError(500, event.error, type="server_error")
+
+    def usage(event: SeqEvent) -> dict[str, int]:
+        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+                "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+    def sse(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async def stream_events(request_id: str, queue: asyncio.Queue[SeqEvent], chunk: Any,
+                            include_usage: bool, first: dict[str, Any] | None) -> AsyncIterator[str]:
+        """SSE lines of one request; closing the stream early (client gone) aborts the request."""
+        finished = False
+        try:
+            if first is not None:
+                yield sse(first)
+            while True:
+                event = await queue.get()
+                if event.error is not None:
+                    finished = True
+                    yield sse(error_body(event.error, type="server_error"))
+                    break
+                if event.text:
+                    yield sse(chunk(text=event.text))
+                if event.finished:
+                    finished = True
+                    yield sse(chunk(finish_reason=event.finish_reason))
+                    if include_usage:
+                        yield sse(chunk(usage=usage(event)))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                scheduler.abort(request_id)
+
+    # ---- routes --------------------------------------------------------------------------
+    @app.post("/v1/chat/completions", dependencies=auth, response_model=ChatCompletionResponse,
+              responses=ERROR_RESPONSES, summary="Chat completion (JSON, or SSE when stream=true)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        if not body.messages:
+            raise APIError(400, "messages must contain at least one message", param="messages")
+        if body.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt_ids = await run_in_threadpool(llm.encode_prompt, messages)
+        except HybridLLMError as exc:
+            raise APIError(400, f"cannot format the messages: {exc}", param="messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = sampling_params(body, max_tokens, None, len(prompt_ids))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        now = int(time.time())
+        queue = submit(request_id, prompt_ids, params)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(text: str | None = None, finish_reason: str | None = None,
+                      usage: dict[str, int] | None = None, role: bool = False) -> dict[str, Any]:
+                out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": now,
+                                       "model": served}
+                if usage is not None:
+                    out["choices"] = []
+                    out["usage"] = usage
+                    return out
+                delta: dict[str, Any] = {}
+                if role:
+                    delta = {"role": "assistant", "content": ""}
+                elif text is not None:
+                    delta = {"content": text}
+                out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+                if include_usage:
+                    out["usage"] = None
+                return out
+
+            return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, chunk(role=True)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        event = await collect(request, request_id, queue)
+        if event is None:
+            return Response(status_code=499)
+        raise_event_error(event)
+        return {
+            "id": request_id, "object": "chat.completion", "created": now, "model": served,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": event.full_text},
+                         "finish_reason": event.finish_reason, "logprobs": None}],
+            "usage": usage(event),
+        }
+
+    @app.post("/v1/completions", dependencies=auth, response_model=CompletionResponse,
+              responses=ERROR_RESPONSES, summary="Text completion (JSON, or SSE when stream=true)")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if body.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        prompt: Any = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            prompt_ids = await run_in_threadpool(llm.tokenizer.encode, prompt, True)
+        else:
+            prompt_ids = list(prompt)
+            if not prompt_ids:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            try:
+                scheduler.check_prompt(prompt_ids)
+            except HybridLLMError as exc:
+                raise APIError(400, str(exc), param="prompt") from None
+        params = sampling_params(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        now = int(time.time())
+        queue = submit(request_id, prompt_ids, params)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(text: str | None = None, finish_reason: str | None = None,
+                      usage: dict[str, int] | None = None) -> dict[str, Any]:
+                out: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": now,
+                                       "model": served}
+                if usage is not None:
+                    out["choices"] = []
+                    out["usage"] = usage
+                    return out
+                out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+                if include_usage:
+                    out["usage"] = None
+                return out
+
+            return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, None),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        event = await collect(request, request_id, queue)
+        if event is None:
+            return Response(status_code=499)
+        raise_event_error(event)
+        return {
+            "id": request_id, "object": "text_completion", "created": now, "model": served,
+            "choices": [{"index": 0, "text": event.full_text, "finish_reason": event.finish_reason,
+                         "logprobs": None}],
+            "usage": usage(event),
+        }
+
+    @app.get("/v1/models", dependencies=auth, response_model=ModelList, responses=ERROR_RESPONSES,
+             summary="The served model")
+    async def models() -> Any:
+        return {"object": "list", "data": [ModelCard(id=served, created=created,
+                                                     max_model_len=scheduler.context_length).model_dump()]}
+
+    @app.get("/health", response_model=Health, summary="200 while the scheduler runs, 503 otherwise")
+    async def health() -> Any:
+        body = {"status": "ok" if scheduler.is_running else "stopped", "running": scheduler.num_running,
+                "waiting": scheduler.num_waiting}
+        return JSONResponse(body, status_code=200 if scheduler.is_running else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

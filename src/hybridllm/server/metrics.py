@@ -1,0 +1,185 @@
+"""Prometheus metrics of one server, named like vLLM's (``vllm:`` -> ``hybridllm:``).
+
+Every app gets its own :class:`~prometheus_client.CollectorRegistry` (no global registry), so
+two servers in one process do not clash. Latency histograms and token/request counters are
+updated from the scheduler's hooks (on its loop thread; prometheus_client is thread-safe);
+gauges (running/waiting requests, KV bytes and pages per tier, bus bytes, placement) are read
+from the scheduler when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hybridllm.engine.scheduler import SchedulerObserver, SequenceState
+
+if TYPE_CHECKING:
+    from hybridllm.engine.scheduler import Scheduler
+
+PREFIX = "hybridllm:"
+
+# vLLM's buckets, so its dashboards' heatmaps and quantiles fit.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics(SchedulerObserver):
+    """The registry of one server and the scheduler hooks that feed it.
+
+    Args:
+        scheduler: read at scrape time for the gauges.
+        model_name: the ``model_name`` label of every series.
+    """
+
+    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
+        self.scheduler = scheduler
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time from arrival to the first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+                             labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.queue_time = Histogram(f"{PREFIX}request_queue_time_seconds", "Time a request waited in the queue.",
+                                    labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.request_prompt_tokens = Histogram(
+            f"{PREFIX}request_prompt_tokens", "Prompt tokens per finished request.", labels,
+            buckets=TOKEN_COUNT_BUCKETS, registry=reg).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            f"{PREFIX}request_generation_tokens", "Generated tokens per finished request.", labels,
+            buckets=TOKEN_COUNT_BUCKETS, registry=reg).labels(model_name)
+        self.iteration_tokens = Histogram(
+            f"{PREFIX}iteration_tokens_total", "Tokens per scheduler step (decode rows + prefill tokens).", labels,
+            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=reg).labels(model_name)
+        self.decode_batch_size = Histogram(
+            f"{PREFIX}decode_batch_size", "Sequences decoded together in one batched forward.", labels,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=reg).labels(model_name)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens prefilled.", labels,
+                                     registry=reg).labels(model_name)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", labels,
+                                         registry=reg).labels(model_name)
+        self.request_success = Counter(f"{PREFIX}request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=reg)
+        self.rejected = Counter(f"{PREFIX}request_rejected", "Requests refused before queueing, by reason.",
+                                ["model_name", "reason"], registry=reg)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(model_name, reason)
+        for reason in ("queue_full", "kv_budget", "invalid", "unauthorized"):
+            self.rejected.labels(model_name, reason)
+        reg.register(_EngineCollector(scheduler, model_name))
+
+    # ---- scheduler hooks (loop thread) -----------------------------------------------------
+    def on_scheduled(self, seq: SequenceState) -> None:
+        self.queue_time.observe(seq.scheduled_time - seq.arrival_time)
+
+    def on_prompt_done(self, seq: SequenceState) -> None:
+        self.prompt_tokens.inc(len(seq.prompt_ids))
+
+    def on_token(self, seq: SequenceState, interval_s: float | None) -> None:
+        self.generation_tokens.inc()
+        if interval_s is None:
+            self.ttft.observe(seq.first_token_time - seq.arrival_time)
+        else:
+            self.itl.observe(interval_s)
+
+    def on_finished(self, seq: SequenceState) -> None:
+        self.request_success.labels(self.model_name, seq.finish_reason or "error").inc()
+        if seq.finish_reason in ("stop", "length"):
+            self.e2e.observe(seq.finish_time - seq.arrival_time)
+            self.request_prompt_tokens.observe(len(seq.prompt_ids))
+            self.request_generation_tokens.observe(len(seq.generated))
+
+    def on_step(self, decode_rows: int, prefill_tokens: int) -> None:
+        self.iteration_tokens.observe(decode_rows + prefill_tokens)
+        if decode_rows:
+            self.decode_batch_size.observe(decode_rows)
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    # ---- exposition ----------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the scheduler at scrape time."""
+
+    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
+        self.scheduler = scheduler
+        self.model_name = model_name
+
+    def describe(self) -> list[Metric]:
+        return []  # names are stable but values are read lazily; nothing to pre-describe
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.scheduler
+        stats = s.stats()
+        name = self.model_name
+
+        def gauge(metric: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name", *(labels or [])])
+
+        g = gauge("num_requests_running", "Requests prefilling or decoding.")
+        g.add_metric([name], stats["running"])
+        yield g
+        g = gauge("num_requests_waiting", "Requests in the queue.")
+        g.add_metric([name], stats["waiting"])
+        yield g
+        g = gauge("kv_cache_bytes", "KV cache bytes held, per tier (the ledger).", ["tier"])
+        for tier, n in stats["kv_bytes"].items():
+            g.add_metric([name, tier], n)
+        yield g
+        g = gauge("kv_cache_pages", "KV cache pages held, per tier (pages of kv_page_size tokens).", ["tier"])
+        for tier, n in stats["kv_pages"].items():
+            g.add_metric([name, tier], n)
+        yield g
+        g = gauge("kv_cache_budget_bytes", "KV budget per tier (absent: unlimited).", ["tier"])
+        for tier, n in stats["kv_budget_bytes"].items():
+            if n is not None:
+                g.add_metric([name, tier], n)
+        yield g
+        g = gauge("kv_cache_reserved_bytes", "KV bytes promised to running requests (prompt + max_tokens).")
+        g.add_metric([name], stats["kv_reserved_bytes"])
+        yield g
+        capacity = stats["kv_capacity_bytes"]
+        g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of the admission capacity (0 when unlimited).")
+        g.add_metric([name], stats["kv_reserved_bytes"] / capacity if capacity else 0.0)
+        yield g
+        g = gauge("bus_bytes", "Bytes moved between host and device since start, per direction.", ["direction"])
+        for direction, n in stats["bus_bytes"].items():
+            g.add_metric([name, direction], n)
+        yield g
+        llm = s.llm
+        weights = getattr(llm, "weight_bytes", {}) or {}
+        g = gauge("weight_bytes", "Model weight bytes per tier (the placement).", ["tier"])
+        for tier, n in weights.items():
+            g.add_metric([name, tier], n)
+        yield g
+        device = llm.engine_config.torch_device
+        on_device = sum(1 for layer in llm.model.model.layers if layer.input_layernorm.weight.device == device)
+        g = gauge("placement_layers", "Decoder layers whose weights are on each tier.", ["tier"])
+        g.add_metric([name, "device"], on_device)
+        g.add_metric([name, "host"], len(llm.model.model.layers) - on_device)
+        yield g
+        g = gauge("placement_info", "The current placement (value 1; the labels describe it).",
+                  ["device", "dtype", "weights", "kv_cache", "kv_page_size", "max_batch", "prefill_chunk"])
+        weights_format = getattr(llm, "weights_format", None) or llm.engine_config.dtype
+        g.add_metric([name, str(device), llm.engine_config.dtype, str(weights_format), s.kv_strategy,
+                      str(s.page_size), str(s.max_batch), str(s.prefill_chunk)], 1)
+        yield g

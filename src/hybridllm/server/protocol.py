@@ -1,0 +1,190 @@
+"""Request and response bodies of the OpenAI-compatible API, and its error objects.
+
+Requests are validated strictly (a string where a number belongs is an error, not coerced);
+unknown fields are ignored, as OpenAI clients send fields this server has no use for. Beyond
+OpenAI's fields, a few of vLLM's sampling extras are accepted (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``; pass them with the client's ``extra_body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
+
+
+# ---- errors ------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style error object.
+
+    Args:
+        status: HTTP status.
+        message: what went wrong and what to do.
+        type: OpenAI's error type ("invalid_request_error", "authentication_error", ...).
+        param: the request field at fault.
+        code: a machine-readable code.
+        headers: extra response headers (e.g. Retry-After).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- requests ----------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = _REQUEST_CONFIG
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _REQUEST_CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = _REQUEST_CONFIG
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1.")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int | None = Field(default=None, ge=1, description="Only 1 is supported.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description="Only 0 is supported.")
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description="Only 0 is supported.")
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = Field(default=None, ge=-1, description="0 or -1 disables.")
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    ignore_eos: bool | None = False
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="Alias of max_tokens.")
+    logprobs: bool | None = Field(default=None, description="Not supported (false only).")
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = Field(default=None, description="Not supported (false only).")
+    logprobs: int | None = Field(default=None, description="Not supported (null only).")
+    suffix: str | None = Field(default=None, description="Not supported.")
+    best_of: int | None = Field(default=None, description="Only 1 is supported.")
+
+
+# ---- responses ---------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "hybridllm"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    running: int
+    waiting: int

@@ -1,0 +1,256 @@
+"""The continuous-batching scheduler: admission on plain numbers, batched greedy == LLM.generate,
+aborts free KV at once, budgets make requests wait or fail, tiered KV spills to the host under
+pressure instead of preempting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from serving_helpers import CHAT_PROMPTS, MAX_TOKENS, reference
+from tiny_models import build_hf_model
+
+from hybridllm import LLM, SamplingParams
+from hybridllm.engine.scheduler import (
+    AdmissionError,
+    QueueFullError,
+    Scheduler,
+    SeqEvent,
+    admission_decision,
+    kv_bytes_needed,
+    kv_capacity,
+)
+from hybridllm.errors import ContextOverflowError
+from hybridllm.kvcache.batch import BatchedCaches
+
+
+class Collector:
+    """Per-request event lists, filled by the scheduler's sinks."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[SeqEvent]] = {}
+
+    def sink(self, request_id: str):
+        self.events[request_id] = []
+        return self.events[request_id].append
+
+    def text(self, request_id: str) -> str:
+        return "".join(e.text for e in self.events[request_id])
+
+    def last(self, request_id: str) -> SeqEvent:
+        return self.events[request_id][-1]
+
+
+# ---- admission on plain numbers -------------------------------------------------------------
+def test_kv_bytes_needed_rounds_up_to_whole_pages():
+    assert kv_bytes_needed(0, 100, 16) == 0
+    assert kv_bytes_needed(1, 100, 16) == 1600
+    assert kv_bytes_needed(16, 100, 16) == 1600
+    assert kv_bytes_needed(17, 100, 16) == 3200
+    with pytest.raises(ValueError):
+        kv_bytes_needed(1, 100, 0)
+
+
+def test_kv_capacity_sums_the_tiers_the_strategy_stores_in():
+    budgets = {"device": 1000, "host": 5000}
+    assert kv_capacity("dynamic", budgets) == 1000
+    assert kv_capacity("quantized", budgets) == 1000
+    assert kv_capacity("tiered", budgets) == 6000
+    assert kv_capacity("offloaded", budgets) == 5000
+    assert kv_capacity("host", budgets) == 5000
+    unbounded_device = {"device": None, "host": 5000}
+    assert kv_capacity("dynamic", unbounded_device) is None
+    assert kv_capacity("tiered", unbounded_device) is None
+    assert kv_capacity("host", unbounded_device) == 5000
+
+
+def test_admission_decision_admits_waits_or_rejects():
+    assert admission_decision(100, 0, None) == "admit"
+    assert admission_decision(10**15, 10**15, None) == "admit"
+    assert admission_decision(600, 0, 1000) == "admit"
+    assert admission_decision(400, 600, 1000) == "admit"  # exactly full is fine
+    assert admission_decision(401, 600, 1000) == "wait"  # fits once others finish
+    assert admission_decision(1001, 0, 1000) == "reject"  # never fits
+
+
+# ---- tiny model: budgets, aborts, queue -------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sched") / "llama"
+    build_hf_model(folder, "llama")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_weight_bytes(tiny_folder) -> int:
+    return LLM(model=tiny_folder).weight_bytes["device"]
+
+
+def long_params(n: int = 40) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_request_that_can_never_fit_is_rejected_and_one_that_fits_later_waits(tiny_folder, tiny_weight_bytes):
+    page = 16
+    llm = LLM(model=tiny_folder, kv_page_size=page, vram_budget=tiny_weight_bytes + 10 * page * 512)
+    sched = Scheduler(llm, max_batch=8)
+    assert sched.token_bytes == 512  # 2 layers x (K+V) x 2 kv heads x 16 dims x 4 bytes
+    assert sched.capacity == 10 * page * 512  # dynamic: the device tier only
+    prompt = llm.encode_prompt("The quick brown fox")
+    with pytest.raises(AdmissionError, match="bytes of KV"):
+        sched.submit("huge", prompt, long_params(11 * page), Collector().sink("huge"))
+    out = Collector()
+    n_new = 6 * page - len(prompt)  # each request reserves 6 of the 10 pages
+    sched.submit("a", prompt, long_params(n_new), out.sink("a"))
+    sched.submit("b", prompt, long_params(n_new), out.sink("b"))
+    sched.step()
+    assert (sched.num_running, sched.num_waiting) == (1, 1)  # b waits for a's KV
+    assert sched.reserved_bytes == 6 * page * 512
+    assert sched.ledger.current("device") == 6 * page * 512
+    sched.run_until_idle()
+    assert out.last("a").finish_reason == out.last("b").finish_reason == "length"
+    assert out.text("a") == out.text("b")
+    assert sched.ledger.peak("device") <= sched.capacity
+    assert sched.ledger.current("device") == 0 and sched.reserved_bytes == 0
+
+
+def test_abort_frees_kv_at_once_and_removes_waiting_requests(tiny_folder):
+    llm = LLM(model=tiny_folder)
+    sched = Scheduler(llm, max_batch=2)
+    out = Collector()
+    prompt = llm.encode_prompt("Paris is the capital")
+    for rid in ("a", "b", "c"):
+        sched.submit(rid, prompt, long_params(200), out.sink(rid))
+    for _ in range(3):
+        sched.step()
+    assert (sched.num_running, sched.num_waiting) == (2, 1)
+    both = sched.ledger.current("device")
+    sched.abort("c")  # waiting: gone from the queue immediately
+    assert sched.num_waiting == 0
+    sched.abort("a")
+    sched.step()
+    assert sched.num_running == 1
+    assert sched.ledger.current("device") == both // 2
+    sched.abort("b")
+    sched.step()
+    assert sched.num_running == 0 and sched.ledger.current("device") == 0 and sched.reserved_bytes == 0
+    assert not any(e.finished for rid in "abc" for e in out.events[rid])  # aborted requests get no final event
+    sched.abort("unknown")  # harmless
+    sched.run_until_idle()
+
+
+def test_full_queue_and_bad_prompts_are_refused(tiny_folder):
+    llm = LLM(model=tiny_folder)
+    sched = Scheduler(llm, max_queue=1)
+    prompt = llm.encode_prompt("hello")
+    sched.submit("a", prompt, long_params(2), Collector().sink("a"))
+    with pytest.raises(QueueFullError):
+        sched.submit("b", prompt, long_params(2), Collector().sink("b"))
+    with pytest.raises(ContextOverflowError):
+        sched.submit("empty", [], long_params(2), Collector().sink("empty"))
+    with pytest.raises(ContextOverflowError):
+        sched.submit("long", [1] * llm.config.max_position_embeddings, long_params(2), Collector().sink("long"))
+    with pytest.raises(ContextOverflowError):
+        sched.submit("vocab", [llm.config.vocab_size], long_params(2), Collector().sink("vocab"))
+    sched.run_until_idle()
+
+
+def test_loop_thread_serves_requests_and_stops(tiny_folder):
+    import threading
+
+    llm = LLM(model=tiny_folder)
+    sched = Scheduler(llm)
+    done = threading.Event()
+    events: list[SeqEvent] = []
+
+    def sink(event: SeqEvent) -> None:
+        events.append(event)
+        if event.finished:
+            done.set()
+
+    sched.start()
+    try:
+        sched.submit("a", llm.encode_prompt("hello"), long_params(5), sink)
+        assert done.wait(60)
+    finally:
+        sched.stop()
+    assert events[-1].finish_reason == "length" and events[-1].completion_tokens == 5
+    assert not sched.is_running
+
+
+@pytest.mark.parametrize("page", [16, 8])
+def test_tiered_kv_spills_cold_pages_to_the_host_under_device_pressure(tiny_folder, tiny_weight_bytes, page):
+    # device room for 10 pages (all layers); 4 sequences of 17-token prompts + 28 new tokens need more.
+    # With 8-token pages not even the 4 prompts fit: later ones wait for device room, none fails.
+    budget = 10 * page * 512
+    llm = LLM(model=tiny_folder, kv_cache="tiered", kv_page_size=page, kv_hot_window=4096,
+              vram_budget=tiny_weight_bytes + budget)
+    sched = Scheduler(llm, max_batch=4)
+    out = Collector()
+    prompt = llm.encode_prompt("Hybrid inference splits")
+    assert len(prompt) == 17
+    for i in range(4):
+        sched.submit(str(i), prompt, long_params(28), out.sink(str(i)))
+    sched.run_until_idle()
+    assert all(out.last(str(i)).finish_reason == "length" for i in range(4))  # nobody preempted or failed
+    assert len({out.text(str(i)) for i in range(4)}) == 1
+    assert max(sched.decode_batch_sizes) >= 2  # they shared the device rather than running one by one
+    assert sched.ledger.peak("host") > 0  # cold pages went to the host
+    assert sched.ledger.peak("device") <= budget
+    assert sched.ledger.current("device") == sched.ledger.current("host") == 0
+
+
+def test_tiered_device_budget_too_small_for_a_first_chunk_is_rejected(tiny_folder, tiny_weight_bytes):
+    llm = LLM(model=tiny_folder, kv_cache="tiered", kv_page_size=8, vram_budget=tiny_weight_bytes + 2 * 8 * 512)
+    sched = Scheduler(llm)
+    with pytest.raises(AdmissionError, match="first prefill chunk"):
+        sched.submit("a", llm.encode_prompt("Hybrid inference splits"), long_params(4), Collector().sink("a"))
+
+
+# ---- the default model: batched greedy == single-request generate ----------------------------
+def test_batched_greedy_equals_single_request_generate(default_llm):
+    # one request ends on a stop string mid-batch: a word from the middle of its own greedy answer
+    words = reference(default_llm, CHAT_PROMPTS[2]).text.split()
+    stops = {2: (words[len(words) // 2],)}
+    sched = Scheduler(default_llm, max_batch=16)
+    out = Collector()
+    for i, prompt in enumerate(CHAT_PROMPTS):
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=list(stops.get(i, ())))
+        sched.submit(str(i), default_llm.encode_prompt([{"role": "user", "content": prompt}]), params,
+                     out.sink(str(i)))
+    sched.run_until_idle()
+    assert max(sched.decode_batch_sizes) == len(CHAT_PROMPTS)  # all eight decoded in one forward
+    for i, prompt in enumerate(CHAT_PROMPTS):
+        ref = reference(default_llm, prompt, MAX_TOKENS, stops.get(i, ()))
+        last = out.last(str(i))
+        assert last.token_ids == ref.token_ids, prompt
+        assert out.text(str(i)) == last.full_text == ref.text
+        assert last.finish_reason == ref.finish_reason
+        assert last.prompt_tokens == len(ref.prompt_token_ids) and last.completion_tokens == len(ref.token_ids)
+    assert out.last("2").finish_reason == "stop" and stops[2][0] not in out.text("2")
+    assert sched.ledger.current("device") == 0
+
+
+def test_batched_caches_route_rows_to_their_own_caches(default_llm):
+    """One batched forward over sequences of different lengths == each sequence alone."""
+    model = default_llm.model
+    prompts = [default_llm.encode_prompt(p) for p in ("Hello there", "The capital of France is a city that")]
+    with torch.inference_mode():
+        caches, firsts, refs = [], [], []
+        for ids in prompts:
+            cache = default_llm.new_cache()
+            firsts.append(int(model(torch.tensor([ids]), cache, start_pos=0)[0, -1].argmax()))
+            caches.append(cache)
+            alone = default_llm.new_cache()
+            model(torch.tensor([ids]), alone, start_pos=0)
+            refs.append(model(torch.tensor([[firsts[-1]]]), alone, start_pos=len(ids))[0, -1])  # (vocab,)
+            alone.reset()
+        batch = BatchedCaches(caches)
+        assert batch.seq_lengths == [len(p) for p in prompts]
+        logits = model(torch.tensor([[f] for f in firsts]), batch, start_pos=batch.start_positions())  # (2, 1, V)
+    assert batch.seq_lengths == [len(p) + 1 for p in prompts]
+    for row, ref in enumerate(refs):
+        assert int(logits[row, -1].argmax()) == int(ref.argmax())
+        # same math; only the matmul blocking differs with the batch size (last-bit differences)
+        torch.testing.assert_close(logits[row, -1], ref, rtol=1e-4, atol=1e-4)
+    for cache in caches:
+        cache.reset()
