@@ -1,0 +1,10 @@
+"""The benchmark harness: sweeps of configurations, each measured in its own process.
+
+``sweep`` builds the grid and runs it, ``worker`` measures one configuration in a child
+process (our engine or a peer from ``peers``), ``measure`` holds the method shared by every
+engine, ``report`` and ``plots`` write the results, ``presets`` holds the named grids and
+``random_weights`` builds models of published shapes without downloading weights.
+
+Nothing is imported here, so ``hybridllm --help`` stays fast: import the modules you need
+(``from hybridllm.bench.sweep import BenchConfig, run_sweep``).
+"""

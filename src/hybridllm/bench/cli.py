@@ -1,0 +1,163 @@
+"""``hybridllm bench``: sweep configurations, each in its own process, and report them.
+
+Registered in ``hybridllm.cli`` (wrapped by ``cli_errors``: bad input prints one line and
+exits with code 2). Heavy modules are imported inside the command, so importing this file is
+cheap.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from hybridllm.errors import ConfigError
+
+
+def _parse_kv_options(pairs: list[str] | None, vram_budget: str | None) -> dict[str, Any]:
+    from hybridllm.config import KVConfig
+
+    options: dict[str, Any] = {}
+    allowed = set(KVConfig.__dataclass_fields__) - {"kv_cache"}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"--kv-opt takes KEY=VALUE, got {pair!r}")
+        if not key.startswith("kv_") and key != "vram_budget" and f"kv_{key}" in allowed:
+            key = f"kv_{key}"
+        if key not in allowed:
+            raise ConfigError(f"unknown KV option {key!r}; known: {', '.join(sorted(allowed))}")
+        options[key] = _scalar(value.strip())
+    if vram_budget is not None:
+        options["vram_budget"] = vram_budget
+    return options
+
+
+def _scalar(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return None if text.lower() in ("none", "null") else text
+
+
+def bench(
+    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    random_weights: Annotated[Optional[Path], typer.Option("--random-weights", help="A Hugging Face config.json (e.g. configs/llama-3.2-1b.json): that shape with random weights, nothing downloaded.")] = None,
+    context: Annotated[Optional[str], typer.Option("--context", "-c", help="Prompt lengths in tokens, comma-separated: 1024,4096 or 1K,4K.")] = None,
+    new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", "-n", help="Tokens generated after the prompt (greedy, EOS ignored).")] = None,
+    kv_cache: Annotated[Optional[str], typer.Option("--kv-cache", help="Our KV strategies, comma-separated: dynamic,offloaded,quantized,tiered,host.")] = None,
+    decode_on: Annotated[Optional[str], typer.Option("--decode-on", help="Where decode runs, comma-separated: device,host.")] = None,
+    n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", help="Layers on the device, comma-separated (also passed to llama.cpp).")] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="Peers measured the same way, comma-separated: llama.cpp,transformers (or none).")] = None,
+    repeat: Annotated[Optional[int], typer.Option("--repeat", "-r", help="Measured runs per configuration (median and spread reported).")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's) or peers (vs llama.cpp and transformers).")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
+    plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Write the plots as one PNG.")] = None,
+    markdown_out: Annotated[Optional[Path], typer.Option("--markdown", help="Write the table(s) as Markdown.")] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads for every engine (default: PyTorch's default).")] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:N] (our engine and transformers).")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds allowed per configuration.")] = 1800.0,
+    vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="Device memory budget for our engine, e.g. 8GiB.")] = None,
+    kv_opt: Annotated[Optional[list[str]], typer.Option("--kv-opt", help="More KV options for our engine, KEY=VALUE (repeatable), e.g. kv_hot_window=1024.")] = None,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="A short request before the measured ones.")] = True,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of --random-weights.")] = 0,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per forward (llama.cpp's n_batch).")] = 512,
+    weights: Annotated[Optional[str], typer.Option("--weights", help="Our engine's weights: float, auto, int8 or int4 (default: its own).")] = None,
+) -> None:
+    """Measure prefill and decode over a grid of contexts, KV strategies and placements, and peers."""
+    import torch
+
+    from hybridllm.bench import presets, report
+    from hybridllm.bench.sweep import (
+        BASELINES,
+        DECODE_ON,
+        BenchConfig,
+        build_grid,
+        model_window,
+        parse_contexts,
+        parse_layers,
+        parse_names,
+        run_sweep,
+    )
+    from hybridllm.config import KV_STRATEGIES, EngineConfig, KVConfig
+
+    if model is not None and random_weights is not None:
+        raise ConfigError("give either --model or --random-weights, not both")
+    baselines = None
+    if baseline is not None:
+        baselines = [] if baseline.strip().lower() in ("", "none") else parse_names(baseline, BASELINES, "baseline")
+    settings = presets.resolve(
+        preset,
+        contexts=parse_contexts(context) if context is not None else None,
+        kv_caches=parse_names(kv_cache, KV_STRATEGIES, "KV cache") if kv_cache is not None else None,
+        decode_ons=parse_names(decode_on, DECODE_ON, "--decode-on value") if decode_on is not None else None,
+        n_gpu_layers=parse_layers(n_gpu_layers) if n_gpu_layers is not None else None,
+        baselines=baselines,
+        new_tokens=new_tokens,
+        repeat=repeat,
+    )
+    for key, what in (("contexts", "--context"), ("kv_caches", "--kv-cache"), ("decode_ons", "--decode-on"),
+                      ("n_gpu_layers", "--n-gpu-layers")):
+        if not settings[key]:
+            raise ConfigError(f"{what} needs at least one value")
+    if settings["new_tokens"] < 1 or settings["repeat"] < 1:
+        raise ConfigError("--new-tokens and --repeat must be >= 1")
+    if timeout <= 0:
+        raise ConfigError("--timeout must be > 0")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    EngineConfig(device=device, dtype=dtype, threads=threads, prefill_chunk=prefill_chunk)
+    kv_options = _parse_kv_options(kv_opt, vram_budget)
+    if weights is not None:
+        try:
+            from hybridllm.models.quantized import check_weights_mode
+        except ImportError:  # an engine without weight modes: the rows will say so
+            check_weights_mode = None
+        if check_weights_mode is not None:
+            check_weights_mode(weights)
+    for strategy in settings["kv_caches"]:
+        KVConfig(kv_cache=strategy, **kv_options)
+    if threads is None:
+        from hybridllm.bench.peers import default_threads
+
+        threads = default_threads()  # the same number for every engine
+
+    common = dict(model=str(model) if model else None, random_weights=str(random_weights) if random_weights else None,
+                  new_tokens=settings["new_tokens"], repeat=settings["repeat"], threads=threads, device=device,
+                  dtype=dtype, warmup=warmup, kv_options=kv_options, seed=seed, prefill_chunk=prefill_chunk,
+                  weights=weights)
+    model_window(BenchConfig(**common))  # a missing or unreadable model fails here, before the sweep
+    grid = build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"], settings["n_gpu_layers"],
+                      settings["baselines"], **common)
+    rows = run_sweep(grid, timeout_s=timeout, progress=True)
+
+    report.print_summary(rows)
+    if preset == "paper":
+        report.print_table(report.PAPER_HEADERS, report.paper_records(rows), title="the study's layout")
+    recorded = {**settings, "preset": preset, "timeout_s": timeout, "threads": threads, "device": device,
+                "dtype": dtype, "kv_options": kv_options, "weights": weights, "command": shlex.join(["hybridllm", *sys.argv[1:]])}
+    if json_out is not None:
+        report.write_json(rows, json_out, recorded)
+    if csv_out is not None:
+        report.write_csv(rows, csv_out)
+    if markdown_out is not None:
+        text = report.summary_markdown(rows)
+        if preset == "paper":
+            text = report.paper_markdown(rows) + "\n\n" + text
+        markdown_out.expanduser().parent.mkdir(parents=True, exist_ok=True)
+        markdown_out.write_text(text + "\n")
+    if plot_out is not None:
+        from hybridllm.bench.plots import write_plots
+
+        write_plots(rows, plot_out, title=f"hybridllm bench: {rows[0]['model']}" if rows else None)
+    written = [str(p) for p in (json_out, csv_out, markdown_out, plot_out) if p is not None]
+    if written:
+        typer.echo(f"wrote {', '.join(written)}", err=True)

@@ -1,0 +1,222 @@
+"""Results of a sweep: a Markdown table on the terminal (rich), JSON, CSV, the study's layout."""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from hybridllm.report import format_bytes
+
+SCHEMA = "hybridllm.bench/1"
+# Columns of the CSV file, in order (``kv_bytes`` is split per tier; ``runs`` stays in the JSON).
+CSV_COLUMNS = (
+    "engine", "model", "kv_cache", "variant", "decode_on", "n_gpu_layers", "context", "new_tokens", "repeat",
+    "prefill_tps", "prefill_tps_spread", "ttft_s", "ttft_s_spread", "decode_tps", "decode_tps_spread",
+    "tpot_p50_s", "tpot_p50_s_spread", "tpot_p99_s", "tpot_p99_s_spread",
+    "peak_device_bytes", "peak_host_bytes", "kv_bytes_device", "kv_bytes_host", "bus_bytes",
+    "status", "error", "threads", "device", "dtype", "kv_options", "weights", "weights_format", "load_s", "wall_s",
+)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on: CPU, cores, RAM, GPU, library versions."""
+    import psutil
+    import torch
+
+    from hybridllm.bench.peers import peer_versions
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "gpu": gpu,
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        **peer_versions(),
+    }
+
+
+# ---- files ------------------------------------------------------------------------------------
+def flatten(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as one flat CSV record."""
+    kv = row.get("kv_bytes") or {}
+    out = {k: row.get(k) for k in CSV_COLUMNS}
+    out["kv_bytes_device"] = kv.get("device")
+    out["kv_bytes_host"] = kv.get("host")
+    out["kv_options"] = json.dumps(row.get("kv_options") or {}, sort_keys=True)
+    return out
+
+
+def write_json(rows: Sequence[dict[str, Any]], path: str | os.PathLike, settings: dict[str, Any] | None = None,
+               machine: dict[str, Any] | None = None) -> None:
+    document = {
+        "schema": SCHEMA,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine if machine is not None else machine_info(),
+        "settings": settings or {},
+        "rows": list(rows),
+    }
+    _parent(path)
+    Path(path).write_text(json.dumps(document, indent=2) + "\n")
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+    _parent(path)
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(flatten(row))
+
+
+def _parent(path: str | os.PathLike) -> None:
+    Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+# ---- formatting -------------------------------------------------------------------------------
+def fmt_rate(value: float | None, spread: float | None = None) -> str:
+    if value is None:
+        return "-"
+    text = f"{value:.1f}"
+    return f"{text} ±{spread / 2:.1f}" if spread else text
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def fmt_bytes(value: float | None) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+def fmt_context(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+
+
+def _status(row: dict[str, Any], index: int | None = None) -> str:
+    if row["status"] == "ok":
+        return "ok"
+    return row["status"] if index is None else f"{row['status']} [{index}]"
+
+
+# ---- the terminal table ---------------------------------------------------------------------------
+SUMMARY_HEADERS = ("engine", "KV cache", "decode on", "GPU layers", "context", "prefill tok/s", "TTFT",
+                   "decode tok/s", "TPOT p50", "TPOT p99", "peak device", "peak host", "KV device / host",
+                   "bus", "status")
+
+
+def summary_records(rows: Sequence[dict[str, Any]]) -> tuple[list[list[str]], list[str]]:
+    """Cells of the summary table and the numbered notes of rows that are not "ok"."""
+    records, notes = [], []
+    for row in rows:
+        index = None
+        if row["status"] != "ok":
+            notes.append(f"{row['engine']} {row['kv_cache']} ctx {row['context']}: {row['status']}: {row['error']}")
+            index = len(notes)
+        kv = row.get("kv_bytes") or {}
+        records.append([
+            row["engine"] + (f" ({row['weights']} weights)" if row.get("weights") else ""),
+            row["kv_cache"] + (f" ({row['variant'].split(',')[0]})" if row["engine"] == "transformers"
+                               and row.get("variant") else ""),
+            row.get("decode_on") or "-",
+            "-" if row.get("n_gpu_layers") is None else str(row["n_gpu_layers"]),
+            str(row["context"]),
+            fmt_rate(row.get("prefill_tps"), row.get("prefill_tps_spread")),
+            fmt_seconds(row.get("ttft_s")),
+            fmt_rate(row.get("decode_tps"), row.get("decode_tps_spread")),
+            fmt_seconds(row.get("tpot_p50_s")),
+            fmt_seconds(row.get("tpot_p99_s")),
+            fmt_bytes(row.get("peak_device_bytes")),
+            fmt_bytes(row.get("peak_host_bytes")),
+            f"{fmt_bytes(kv.get('device'))} / {fmt_bytes(kv.get('host'))}",
+            fmt_bytes(row.get("bus_bytes")),
+            _status(row, index),
+        ])
+    return records, notes
+
+
+def markdown(headers: Sequence[str], records: Sequence[Sequence[str]]) -> str:
+    """A GitHub Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in record) + " |" for record in records]
+    return "\n".join(lines)
+
+
+def print_table(headers: Sequence[str], records: Sequence[Sequence[str]], notes: Sequence[str] = (),
+                title: str | None = None, console: Console | None = None) -> None:
+    """Print a Markdown table: with rich on a terminal, as plain Markdown text otherwise."""
+    console = console or Console()
+    if not console.is_terminal:  # a pipe or a file: no wrapping, no styling
+        text = (f"{title}\n\n" if title else "") + markdown(headers, records)
+        text += "".join(f"\n[{i}] {note}" for i, note in enumerate(notes, 1))
+        console.file.write(text + "\n\n")
+        console.file.flush()
+        return
+    table = Table(box=box.MARKDOWN, title=title, show_edge=True, header_style="bold")
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    for record in records:
+        table.add_row(*record)
+    console.print(table)
+    for i, note in enumerate(notes, 1):
+        console.print(f"[{i}] {note}", markup=False, highlight=False)
+
+
+def print_summary(rows: Sequence[dict[str, Any]], console: Console | None = None) -> None:
+    models = sorted({r["model"] for r in rows})
+    records, notes = summary_records(rows)
+    print_table(SUMMARY_HEADERS, records, notes, title=f"hybridllm bench: {', '.join(models)}", console=console)
+
+
+def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    records, notes = summary_records(rows)
+    text = markdown(SUMMARY_HEADERS, records)
+    return text + ("\n\n" + "\n".join(f"[{i}] {n}" for i, n in enumerate(notes, 1)) if notes else "")
+
+
+# ---- the study's layout ---------------------------------------------------------------------------
+PAPER_HEADERS = ("context", "CPU decode", "strategy", "GPU mem", "CPU mem", "tokens/s")
+
+
+def paper_records(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One line per row: context, decode on the CPU?, strategy, peak device/host memory, decode tok/s."""
+    records = []
+    for row in sorted(rows, key=lambda r: (r["context"], r["decode_on"] == "host", r["engine"], r["kv_cache"])):
+        strategy = row["kv_cache"] if row["engine"] == "hybridllm" else f"{row['engine']} {row['kv_cache']}"
+        ok = row["status"] == "ok"
+        records.append([
+            fmt_context(row["context"]),
+            "yes" if row.get("decode_on") == "host" else "no",
+            strategy,
+            fmt_bytes(row.get("peak_device_bytes")) if ok else "-",
+            fmt_bytes(row.get("peak_host_bytes")) if ok else "-",
+            f"{row['decode_tps']:.1f}" if ok and row.get("decode_tps") is not None else row["status"].upper(),
+        ])
+    return records
+
+
+def paper_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    return markdown(PAPER_HEADERS, paper_records(rows))

@@ -1,0 +1,309 @@
+"""The benchmark harness: sweeps in child processes, failure rows, JSON/CSV/PNG output, peers.
+
+Fast: a tiny random model, short contexts, a handful of child processes. No wall-time asserts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hybridllm.bench import report
+from hybridllm.bench.measure import PeerUnavailable, prompt_ids, summarize, synthetic_prompt_ids
+from hybridllm.bench.plots import host_device_ratios, write_plots
+from hybridllm.bench.presets import resolve
+from hybridllm.bench.sweep import BenchConfig, build_grid, classify_failure, run_sweep, skip_reason
+from hybridllm.bench.worker import classify_exception, measure_row
+from hybridllm.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ROW_KEYS = {
+    "engine", "model", "kv_cache", "decode_on", "n_gpu_layers", "context", "new_tokens", "prefill_tps", "ttft_s",
+    "decode_tps", "tpot_p50_s", "tpot_p99_s", "peak_device_bytes", "peak_host_bytes", "kv_bytes", "bus_bytes",
+    "status", "error", "repeat",
+}
+TINY_CONFIG = {
+    "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True, "rope_theta": 10000.0,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    from tiny_models import build_hf_model, save_as_gguf
+
+    root = tmp_path_factory.mktemp("bench")
+    build_hf_model(root / "llama", "llama")
+    return str(save_as_gguf(root / "llama", root / "llama.gguf"))
+
+
+@pytest.fixture
+def tiny_config_json(tmp_path) -> str:
+    path = tmp_path / "tiny-config.json"
+    path.write_text(json.dumps(TINY_CONFIG))
+    return str(path)
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(path)).shape[:2] == (height, width)
+
+
+# ---- the acceptance test -------------------------------------------------------------------------
+def test_two_config_sweep_with_a_forced_failure(tiny_gguf, tmp_path):
+    common = dict(model=tiny_gguf, context=24, new_tokens=4, repeat=2, threads=1)
+    configs = [BenchConfig(**common), BenchConfig(**common, kv_options={"vram_budget": "1KiB"})]
+    rows = run_sweep(configs, timeout_s=300, progress=False)
+
+    ok, failed = rows
+    assert ok["status"] == "ok", ok["error"]
+    assert failed["status"] == "error"
+    assert "budget" in failed["error"].lower()
+    assert failed["decode_tps"] is None
+
+    report.write_json(rows, tmp_path / "out.json", {"note": "test"})
+    report.write_csv(rows, tmp_path / "out.csv")
+    write_plots(rows, tmp_path / "out.png")
+
+    document = json.loads((tmp_path / "out.json").read_text())
+    assert document["schema"] == report.SCHEMA
+    assert {"created", "machine", "settings", "rows"} <= set(document)
+    assert {"cpu", "cores", "torch"} <= set(document["machine"])
+    assert len(document["rows"]) == 2
+    for row in document["rows"]:
+        assert ROW_KEYS <= set(row)
+        assert set(row["kv_bytes"]) == {"device", "host"}
+        assert row["status"] in ("ok", "error", "oom", "timeout", "skipped")
+    row = document["rows"][0]
+    assert (row["engine"], row["kv_cache"], row["context"], row["new_tokens"]) == ("hybridllm", "dynamic", 24, 4)
+    assert row["prompt_tokens"] == 24 and row["generated_tokens"] == 4
+    for key in ("prefill_tps", "ttft_s", "decode_tps", "tpot_p50_s", "tpot_p99_s", "peak_host_bytes",
+                "peak_device_bytes"):
+        assert row[key] > 0, key
+    assert row["tpot_p99_s"] >= row["tpot_p50_s"]
+    assert row["decode_tps_spread"] >= 0
+    assert len(row["runs"]) == 2
+    assert row["kv_bytes"]["device"] > 0
+
+    with open(tmp_path / "out.csv") as handle:
+        records = list(csv.DictReader(handle))
+    assert [r["status"] for r in records] == ["ok", "error"]
+    assert set(report.CSV_COLUMNS) == set(records[0])
+    assert_png(tmp_path / "out.png")
+
+
+def test_timeout_becomes_a_row(tiny_gguf):
+    rows = run_sweep([BenchConfig(model=tiny_gguf, context=8, new_tokens=2)], timeout_s=0.3, progress=False)
+    assert rows[0]["status"] == "timeout"
+    assert "0.3" in rows[0]["error"]
+
+
+def test_sweep_skips_contexts_beyond_the_window_without_running(tiny_gguf):
+    rows = run_sweep([BenchConfig(model=tiny_gguf, context=500, new_tokens=100)], progress=False)
+    assert rows[0]["status"] == "skipped"
+    assert "window of 512" in rows[0]["error"]
+    assert rows[0]["wall_s"] is None  # never started
+
+
+# ---- the CLI ---------------------------------------------------------------------------------
+def test_cli_bench_writes_every_output(tiny_gguf, tmp_path):
+    from hybridllm.cli import app
+
+    out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "csv", "png", "md")}
+    result = CliRunner().invoke(app, [
+        "bench", "--model", tiny_gguf, "--context", "16", "--new-tokens", "3", "--repeat", "1", "--threads", "1",
+        "--no-warmup", "--json", str(out["json"]), "--csv", str(out["csv"]), "--plot", str(out["png"]),
+        "--markdown", str(out["md"]), "--timeout", "300",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "| hybridllm | dynamic |" in result.output
+    rows = json.loads(out["json"].read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok"], rows[0]["error"]
+    assert json.loads(out["json"].read_text())["settings"]["contexts"] == [16]
+    assert out["md"].read_text().startswith("| engine |")
+    assert_png(out["png"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kv-cache", "bogus"], "unknown KV cache 'bogus'"),
+    (["--baseline", "vllm"], "unknown baseline 'vllm'"),
+    (["--context", "abc"], "invalid context 'abc'"),
+    (["--decode-on", "gpu"], "--decode-on value"),
+    (["--preset", "nope"], "unknown preset"),
+    (["--model", "/nonexistent/model.gguf"], "model not found"),
+    (["--kv-opt", "hot_window"], "KEY=VALUE"),
+    (["--vram-budget", "lots"], "invalid byte count"),
+])
+def test_cli_bench_bad_input_is_one_line(args, needle):
+    from hybridllm.cli import app
+
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], result.output
+
+
+# ---- pieces ----------------------------------------------------------------------------------
+def test_grid_maps_strategies_to_engines():
+    grid = build_grid([512, 16], ["dynamic", "tiered", "quantized"], ["device", "host"], [None],
+                      ["llama.cpp", "transformers"], new_tokens=8)
+    assert [c.context for c in grid][:9] == [16] * 9 and len(grid) == 18
+    ours = [c for c in grid if c.engine == "hybridllm" and c.context == 16]
+    assert {(c.kv_cache, c.decode_on) for c in ours} == {(k, d) for k in ("dynamic", "tiered", "quantized")
+                                                          for d in ("device", "host")}
+    assert sorted(c.kv_cache for c in grid if c.engine == "transformers" and c.context == 16) == ["dynamic", "quantized"]
+    assert [c.kv_cache for c in grid if c.engine == "llama.cpp" and c.context == 16] == ["f16"]
+    with pytest.raises(ConfigError):
+        build_grid([16], ["dynamic"], baselines=["vllm"])
+    with pytest.raises(ConfigError):
+        build_grid([16], ["paged"])
+
+
+def test_failure_classification():
+    assert classify_failure(-9, "")[0] == "oom"
+    assert classify_failure(1, "Traceback ...\nMemoryError\n") == ("oom", "MemoryError")
+    assert classify_failure(1, "Traceback ...\nValueError: boom\n") == ("error", "ValueError: boom")
+    status, message = classify_failure(-11, "")
+    assert status == "error" and "SIGSEGV" in message
+    assert classify_exception(PeerUnavailable("not installed")) == ("skipped", "not installed")
+    assert classify_exception(torch.OutOfMemoryError("CUDA out of memory"))[0] == "oom"
+    assert classify_exception(RuntimeError("DefaultCPUAllocator: can't allocate memory"))[0] == "oom"
+    assert classify_exception(ValueError("bad"))[0] == "error"
+
+
+def test_skip_rules():
+    config = BenchConfig(context=1024, new_tokens=128)
+    assert "window" in skip_reason(config, 1024, None)
+    assert skip_reason(config, 4096, None) is None
+    assert "out of memory" in skip_reason(config, 4096, 512)
+    assert skip_reason(config, 4096, 2048) is None
+
+
+def test_summarize_reports_median_and_spread():
+    runs = [{"decode_tps": v, "ttft_s": 0.1, "peak_host_bytes": m, "kv_bytes": {"device": 1, "host": 0}}
+            for v, m in ((10.0, 5), (14.0, 9), (11.0, 7))]
+    out = summarize(runs)
+    assert out["decode_tps"] == 11.0 and out["decode_tps_spread"] == 4.0
+    assert out["ttft_s_spread"] == 0.0
+    assert out["peak_host_bytes"] == 9
+    assert out["prefill_tps"] is None
+
+
+def test_prompts_have_exactly_n_tokens(tiny_gguf):
+    from hybridllm.loading.registry import open_checkpoint
+
+    tokenizer = open_checkpoint(tiny_gguf).tokenizer()
+    for n in (1, 7, 300):
+        ids = prompt_ids(tokenizer.encode, n)
+        assert len(ids) == n and ids == prompt_ids(tokenizer.encode, n)
+    assert len(synthetic_prompt_ids(300, 50)) == 50 and max(synthetic_prompt_ids(300, 50)) < 300
+
+
+def test_paper_preset_and_layout():
+    settings = resolve("paper", repeat=1)
+    assert settings["contexts"][0] == 1024 and settings["contexts"][-1] == 131072
+    assert settings["kv_caches"] == ["dynamic", "offloaded", "quantized", "tiered"]
+    assert settings["decode_ons"] == ["device", "host"] and settings["repeat"] == 1
+    rows = [dict(engine="hybridllm", kv_cache="tiered", decode_on="host", context=32768, status="ok",
+                 decode_tps=12.5, peak_device_bytes=2**30, peak_host_bytes=3 * 2**30),
+            dict(engine="hybridllm", kv_cache="dynamic", decode_on="device", context=131072, status="oom",
+                 decode_tps=None, peak_device_bytes=None, peak_host_bytes=None)]
+    text = report.paper_markdown(rows)
+    assert text.splitlines()[0] == "| context | CPU decode | strategy | GPU mem | CPU mem | tokens/s |"
+    assert "| 32K | yes | tiered | 1.0 GiB | 3.0 GiB | 12.5 |" in text
+    assert "| 128K | no | dynamic | - | - | OOM |" in text
+
+
+def test_plots_with_host_device_pairs(tmp_path):
+    rows = []
+    for context in (1024, 4096):
+        for decode_on, tps in (("device", 40.0), ("host", 10.0)):
+            rows.append(dict(engine="hybridllm", kv_cache="tiered", decode_on=decode_on, n_gpu_layers=None,
+                             context=context, status="ok", decode_tps=tps, tpot_p99_s=0.05,
+                             peak_device_bytes=2**30, peak_host_bytes=2**31))
+    assert host_device_ratios(rows) == {"tiered": [(1024, 0.25), (4096, 0.25)]}
+    assert_png(write_plots(rows, tmp_path / "plots" / "p.png"))
+
+
+# ---- random weights -----------------------------------------------------------------------------
+def test_shipped_configs_have_the_published_shapes():
+    from hybridllm.bench.random_weights import read_config, read_hf_config
+
+    llama = read_config(REPO / "configs" / "llama-3.2-1b.json")
+    assert (llama.n_layers, llama.hidden_size, llama.intermediate_size, llama.n_heads, llama.n_kv_heads,
+            llama.vocab_size, llama.max_position_embeddings) == (16, 2048, 8192, 32, 8, 128256, 131072)
+    assert llama.tie_word_embeddings and llama.rope_scaling.kind == "llama3"
+    assert round(llama.parameter_count() / 1e9, 2) == 1.24
+    mistral = read_hf_config(REPO / "configs" / "mistral-7b.json")
+    assert mistral == {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
+    }
+    assert round(read_config(REPO / "configs" / "mistral-7b.json").parameter_count() / 1e9, 2) == 7.24
+
+
+def test_random_weights_model_generates_and_matches_transformers(tiny_config_json):
+    from hybridllm.bench.random_weights import random_hf_model, random_llm
+    from hybridllm.config import SamplingParams
+
+    llm = random_llm(tiny_config_json)
+    result = llm.generate(list(range(10, 30)), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(result.token_ids) == 3
+    hf = random_hf_model(tiny_config_json)
+    ids = torch.tensor([list(range(10, 30))])
+    with torch.inference_mode():
+        ours = llm.model(ids, llm.new_cache(), 0)  # (1, 1, vocab)
+        theirs = hf(ids).logits[:, -1:]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_memory_precheck_turns_a_huge_model_into_an_oom_row():
+    row = measure_row(BenchConfig(random_weights=str(REPO / "configs" / "mistral-7b.json"), context=32000,
+                                  new_tokens=8, dtype="float32"))
+    if row["status"] != "oom":  # a machine with > 35 GB free would try to build it: do not
+        pytest.skip("this machine has enough RAM for a float32 Mistral-7B")
+    assert row["error"].startswith("predicted (not run)")
+
+
+# ---- peers, measured in this process -------------------------------------------------------------
+def test_transformers_peer_same_method(tiny_gguf):
+    row = measure_row(BenchConfig(engine="transformers", model=tiny_gguf, context=12, new_tokens=3))
+    assert row["status"] == "ok", row["error"]
+    assert row["prompt_tokens"] == 12 and row["generated_tokens"] == 3
+    assert row["decode_tps"] > 0 and row["kv_bytes"]["device"] > 0
+    assert row["variant"].startswith("DynamicCache")
+    offloaded = measure_row(BenchConfig(engine="transformers", model=tiny_gguf, context=12, new_tokens=3,
+                                        kv_cache="offloaded"))
+    if not torch.cuda.is_available():
+        assert offloaded["status"] == "skipped" and "CUDA" in offloaded["error"]
+
+
+def test_llama_cpp_peer_same_method(tiny_gguf, tiny_config_json):
+    skipped = measure_row(BenchConfig(engine="llama.cpp", random_weights=tiny_config_json, context=8, new_tokens=2))
+    assert skipped["status"] == "skipped" and "GGUF" in skipped["error"]
+    hf_folder = str(Path(tiny_gguf).parent / "llama")
+    skipped = measure_row(BenchConfig(engine="llama.cpp", model=hf_folder, context=8, new_tokens=2))
+    assert skipped["status"] == "skipped" and "Hugging Face folder" in skipped["error"]
+    pytest.importorskip("llama_cpp")
+    row = measure_row(BenchConfig(engine="llama.cpp", model=tiny_gguf, context=12, new_tokens=3))
+    assert row["status"] == "ok", row["error"]
+    assert row["prompt_tokens"] == 12 and row["generated_tokens"] == 3
+    assert row["decode_tps"] > 0
