@@ -63,6 +63,7 @@ KVBitsOpt = Annotated[int, typer.Option("--kv-bits", help="quantized: 8 or 4.")]
 KVResidualOpt = Annotated[int, typer.Option("--kv-residual", help="quantized: newest tokens kept in full precision.")]
 KVOffloadOpt = Annotated[Optional[float], typer.Option("--kv-offload-percent", help="tiered: percent of cached tokens kept on the host instead of a window.")]
 VramOpt = Annotated[Optional[str], typer.Option("--vram-budget", help="Device memory budget, e.g. 8GiB (weights + KV).")]
+WeightsOpt = Annotated[str, typer.Option("--weights", help="Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4.")]
 
 
 def _kv_options(kv_cache: str, kv_page_size: int, kv_hot_window: int, kv_sink_tokens: int, kv_cold_bits: int,
@@ -74,13 +75,16 @@ def _kv_options(kv_cache: str, kv_page_size: int, kv_hot_window: int, kv_sink_to
     }
 
 
-def _load(model: Path | None, device: str, dtype: str, threads: int | None, kv: dict[str, Any]):
+def _load(model: Path | None, device: str, dtype: str, threads: int | None, kv: dict[str, Any], weights: str = "float"):
     from hybridllm.config import EngineConfig, KVConfig
     from hybridllm.llm import LLM
 
     EngineConfig(device=device, dtype=dtype, threads=threads)  # validate before the slow load
     KVConfig(**kv)
-    return LLM(model=model, device=device, dtype=dtype, threads=threads, **kv)
+    from hybridllm.models.quantized import check_weights_mode
+
+    check_weights_mode(weights)
+    return LLM(model=model, device=device, dtype=dtype, threads=threads, weights=weights, **kv)
 
 
 @app.command()
@@ -111,6 +115,7 @@ def generate(
     kv_residual: KVResidualOpt = 128,
     kv_offload_percent: KVOffloadOpt = None,
     vram_budget: VramOpt = None,
+    weights: WeightsOpt = "float",
 ) -> None:
     """Generate a completion and report what each phase cost."""
     from hybridllm.config import SamplingParams
@@ -125,7 +130,7 @@ def generate(
     )
     kv = _kv_options(kv_cache, kv_page_size, kv_hot_window, kv_sink_tokens, kv_cold_bits, kv_bits, kv_residual,
                      kv_offload_percent, vram_budget)
-    llm = _load(model, device, dtype, threads, kv)
+    llm = _load(model, device, dtype, threads, kv, weights=weights)
     use_chat = llm.tokenizer.has_chat_template if chat is None else chat
     request = [{"role": "user", "content": prompt}] if use_chat else prompt
     result = None
@@ -204,6 +209,26 @@ def chat(
             f"{(m['decode_tps'] or 0):.1f} tok/s]", err=True,
         )
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+from hybridllm.bench.cli import bench as _bench  # noqa: E402  (the harness lives in hybridllm.bench)
+
+app.command(name="bench")(cli_errors(_bench))
+
+from hybridllm.doctor import doctor as _doctor  # noqa: E402  (checks and measurements live in hybridllm.doctor)
+from hybridllm.placement.plan_cli import plan as _plan  # noqa: E402  (the planner lives in hybridllm.placement)
+
+app.command(name="doctor")(cli_errors(_doctor))
+app.command(name="plan")(cli_errors(_plan))
+
+from hybridllm.server.cli import make_serve_command  # noqa: E402  (the server lives in hybridllm.server)
+
+app.command(name="serve")(cli_errors(make_serve_command(sys.modules[__name__])))
+
+from hybridllm.quant_cli import make_eval_app, make_quantize_command  # noqa: E402  (quantized weights, perplexity)
+
+app.command(name="quantize")(cli_errors(make_quantize_command(sys.modules[__name__])))
+app.add_typer(make_eval_app(sys.modules[__name__]), name="eval")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.factory import create_cache
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
+from hybridllm.models.quantized import check_weights_mode, weights_format
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -37,6 +39,8 @@ class LLM:
         threads: CPU threads for PyTorch (None: PyTorch's default).
         prefill_chunk: prompt tokens per prefill step.
         show_progress: progress bar while loading (default: on a terminal for large files).
+        weights: "float" (dequantize to ``dtype``), "auto" (keep the file's 4/8-bit quantization
+            where a kernel exists), "int8" or "int4" (see ``hybridllm.models.quantized``).
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...).
     """
@@ -49,8 +53,10 @@ class LLM:
         threads: int | None = None,
         prefill_chunk: int = 512,
         show_progress: bool | None = None,
+        weights: str = "float",
         **kv_options: Any,
     ) -> None:
+        check_weights_mode(weights)
         self.engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads)
         unknown = set(kv_options) - set(KVConfig.__dataclass_fields__)
         if unknown:
@@ -63,8 +69,10 @@ class LLM:
         self.config = self.checkpoint.config
         device_obj = self.engine_config.torch_device
         self.model = load_model(
-            self.checkpoint, self.engine_config.torch_dtype, lambda _name: device_obj, self.cold_start, show_progress
+            self.checkpoint, self.engine_config.torch_dtype, lambda _name: device_obj, self.cold_start, show_progress,
+            weights=weights,
         )
+        self.weights_format = weights_format(self.model)
         t0 = time.perf_counter()
         self.tokenizer = self.checkpoint.tokenizer()
         self.cold_start.tokenizer_s = time.perf_counter() - t0
@@ -77,6 +85,7 @@ class LLM:
             prefill_chunk=prefill_chunk,
             weight_bytes=self.weight_bytes,
             cold_start_s=self.cold_start.total_s,
+            weights_format=self.weights_format,
         )
 
     # ---- public API ---------------------------------------------------------------------
@@ -109,8 +118,12 @@ class LLM:
             return [int(t) for t in items]
         raise ConfigError("a prompt is a string, a list of token ids, or a list of chat messages")
 
-    def new_cache(self) -> KVCache:
-        """An empty KV cache following this engine's KV policy and budgets."""
+    def new_cache(self, ledger: MemoryLedger | None = None) -> KVCache:
+        """An empty KV cache following this engine's KV policy and budgets.
+
+        ``ledger``: account the cache in this ledger (a server shares one across all its
+        sequences); None gives the cache a fresh ledger with this engine's budgets.
+        """
         cfg = self.config
         spec = KVSpec(
             n_layers=cfg.n_layers,
@@ -120,7 +133,7 @@ class LLM:
             device=self.engine_config.torch_device,
             max_tokens=cfg.max_position_embeddings,
         )
-        return create_cache(self.kv_config, spec, self._kv_ledger())
+        return create_cache(self.kv_config, spec, ledger if ledger is not None else self._kv_ledger())
 
     # ---- internals ----------------------------------------------------------------------
     def _kv_ledger(self) -> MemoryLedger:
@@ -138,10 +151,14 @@ class LLM:
 
 
 def _weight_bytes_per_tier(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
-    """Bytes of parameters on the compute device vs elsewhere (tied weights counted once)."""
+    """Bytes of parameters on the compute device vs elsewhere (tied weights counted once).
+
+    Quantized weights are buffers (codes and scales): they count too; rotary tables do not.
+    """
     out = {"device": 0, "host": 0}
     seen: set[int] = set()
-    for param in model.parameters():
+    buffers = (b for name, b in model.named_buffers() if not name.startswith("rotary."))
+    for param in itertools.chain(model.parameters(), buffers):
         if id(param) in seen:
             continue
         seen.add(id(param))

@@ -98,6 +98,7 @@ class Generator:
         prefill_chunk: int = 512,
         weight_bytes: dict[str, int] | None = None,
         cold_start_s: float = 0.0,
+        weights_format: str | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -106,6 +107,7 @@ class Generator:
         self.prefill_chunk = prefill_chunk
         self.weight_bytes = weight_bytes or {"device": 0, "host": 0}
         self.cold_start_s = cold_start_s
+        self.weights_format = weights_format  # "int4", "int8", "float32", ... (None: not reported)
         self.host_memory = HostPeakMemory()
 
     @property
@@ -226,6 +228,7 @@ class Generator:
                 "bus_bytes": sum(bus.values()),
                 "bus_bytes_detail": bus,
                 "weight_bytes": dict(self.weight_bytes),
+                "weights_format": self.weights_format or str(self.model.compute_dtype).removeprefix("torch."),
             },
         )
         return record.to_dict()

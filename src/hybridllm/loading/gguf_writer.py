@@ -126,7 +126,8 @@ def write_gguf(
             writer.add_tensor(name, array.astype(np.float16))
         else:
             gtype = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(name, gguf.quants.quantize(array, gtype), raw_shape=array.shape, raw_dtype=gtype)
+            # raw bytes: gguf-py derives the element shape from the byte shape and the type
+            writer.add_tensor(name, gguf.quants.quantize(array, gtype), raw_dtype=gtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

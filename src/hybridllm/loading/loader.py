@@ -27,6 +27,7 @@ def load_model(
     device_for: Callable[[str], torch.device],
     cold_start: ColdStart | None = None,
     show_progress: bool | None = None,
+    weights: str = "float",
 ) -> LlamaForCausalLM:
     """Build the model of ``checkpoint`` with every parameter on ``device_for(name)`` in ``dtype``.
 
@@ -36,7 +37,13 @@ def load_model(
         device_for: parameter name (Hugging Face naming) -> device that holds it.
         cold_start: receives the phase timings.
         show_progress: force the progress bar on/off (default: on a terminal, for large files).
+        weights: "float" dequantizes every weight to ``dtype``; "auto", "int8" and "int4" keep
+            matrices quantized (see ``hybridllm.loading.quantized_loader``).
     """
+    if weights != "float":
+        from hybridllm.loading.quantized_loader import load_quantized_model
+
+        return load_quantized_model(checkpoint, dtype, device_for, cold_start, show_progress, weights)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
     with torch.device("meta"):

@@ -1,0 +1,279 @@
+"""Load a checkpoint with quantized weights kept quantized (``--weights auto|int8|int4``).
+
+The float path (``loader.load_model``) dequantizes every tensor. This one builds ``Int4Linear``
+/ ``Int8Linear`` / ``Int8Embedding`` modules straight from the file's blocks, one tensor at a
+time, so no float copy of a quantized matrix is ever made:
+
+- Q4_0, Q4_1, Q4_K -> int4 (group 32, exact mapping of each group's scale and offset);
+- Q8_0 -> int8 per output channel (requantized from the blocks, in row chunks); the output
+  head and the token embedding keep Q8_0's scale per 32 values exactly (``Int8GroupedLinear``);
+- ``--weights int4`` / ``int8`` requantize other types (from float, one matrix at a time);
+- with ``auto``, other types run in the compute dtype (one log line per type);
+- the token embedding is int8 (a lookup dequantizes only its rows); a tied head is the same
+  table run through the int8 kernel.
+
+Q/K rows of ``llama``-architecture GGUF files are un-permuted on the raw row blocks (rows are
+independent, so the permutation commutes with block quantization).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridllm.engine.metrics import ColdStart, synchronize
+from hybridllm.errors import ModelLoadError
+from hybridllm.loading.gguf import unpermute_rows
+from hybridllm.loading.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
+from hybridllm.models.layers import RotaryEmbedding
+from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.models.quantized import (
+    Int4Linear,
+    Int8Embedding,
+    Int8GroupedLinear,
+    Int8Linear,
+    check_weights_mode,
+    int4_unsupported_reason,
+    int8_unsupported_reason,
+    kernel_dtype_for,
+    quantize_int8,
+    quantize_int8_groups,
+)
+
+logger = logging.getLogger(__name__)
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+EMBEDDING = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+ROW_CHUNK = 2048  # rows requantized at a time (bounds the float scratch of big matrices)
+
+
+def _is_linear_weight(param_name: str) -> bool:
+    return param_name == HEAD or (param_name.startswith("model.layers.") and param_name.endswith("_proj.weight"))
+
+
+def file_type(checkpoint, file_name: str) -> str:
+    """GGML type name of a tensor in the file ("Q4_1", "F32", ...); Hugging Face tensors are float."""
+    if getattr(checkpoint, "file_format", None) == "gguf":
+        return checkpoint.tensors[file_name].type_name
+    return "F32"
+
+
+def plan_format(weights: str, param_name: str, type_name: str) -> str:
+    """"int4", "int8" or "float" for one weight, before checking kernel shape constraints."""
+    if weights == "float" or not (_is_linear_weight(param_name) or param_name == EMBEDDING):
+        return "float"
+    if param_name == EMBEDDING:  # the lookup table (and a tied head): int8 rows
+        if weights == "auto":
+            return "float" if type_name in FLOAT_TYPES else "int8"
+        return "int8"
+    if weights == "int8":
+        return "int8"
+    if weights == "int4":
+        return "int8" if param_name == HEAD and type_name not in INT4_TYPES else "int4"
+    # auto: keep the file's quantization where a kernel exists
+    if type_name in INT4_TYPES:
+        return "int4"
+    if type_name == "Q8_0":
+        return "int8"
+    return "float"
+
+
+def load_quantized_model(
+    checkpoint,
+    dtype: torch.dtype,
+    device_for: Callable[[str], torch.device],
+    cold_start: ColdStart | None = None,
+    show_progress: bool | None = None,
+    weights: str = "auto",
+) -> LlamaForCausalLM:
+    """Like :func:`hybridllm.loading.loader.load_model`, with weights kept quantized per ``weights``."""
+    from hybridllm.loading.loader import PROGRESS_MIN_BYTES, _progress
+
+    check_weights_mode(weights)
+    cold_start = cold_start if cold_start is not None else ColdStart()
+    config = checkpoint.config
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name for name, _ in model.named_parameters()}
+    if config.tie_word_embeddings:
+        expected.discard(HEAD)
+    names = checkpoint.parameter_names()
+    missing = expected - set(names.values())
+    if missing:
+        raise ModelLoadError(f"{checkpoint.path}: missing weights, e.g. {sorted(missing)[0]}")
+    total = sum(checkpoint.nbytes(n) for n in names)
+    if show_progress is None:
+        show_progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+
+    state: dict[str, torch.Tensor] = {}
+    fallbacks: Counter[tuple[str, str]] = Counter()
+    with _progress(show_progress, total, checkpoint.path.name) as advance:
+        for file_name, param_name in names.items():
+            if param_name not in expected:
+                continue
+            t0 = time.perf_counter()
+            raw = checkpoint.read(file_name)
+            t1 = time.perf_counter()
+            device = device_for(param_name)
+            type_name = file_type(checkpoint, file_name)
+            fmt = plan_format(weights, param_name, type_name)
+            module = None
+            if fmt != "float":
+                module, why = _build(checkpoint, file_name, param_name, raw, fmt, type_name, dtype, device)
+                if module is None:
+                    fallbacks[(f"{fmt} ({why})", type_name)] += 1
+            elif weights == "auto" and _is_linear_weight(param_name) and type_name not in FLOAT_TYPES:
+                fallbacks[("a quantized kernel (none for this type)", type_name)] += 1
+            if module is None:
+                tensor = checkpoint.dequantize(file_name, raw).to(dtype)
+                t2 = time.perf_counter()
+                state[param_name] = tensor.to(device)
+            else:
+                t2 = time.perf_counter()
+                _set_submodule(model, param_name.removesuffix(".weight"), module)
+            synchronize(device)
+            t3 = time.perf_counter()
+            cold_start.read_s += t1 - t0
+            cold_start.dequantize_s += t2 - t1
+            cold_start.to_device_s += t3 - t2
+            nbytes = checkpoint.nbytes(file_name)
+            cold_start.bytes_read += nbytes
+            advance(nbytes)
+    for (what, type_name), count in sorted(fallbacks.items()):
+        logger.warning("weights: %d %s tensor(s) without %s run as %s", count, type_name, what,
+                       str(dtype).removeprefix("torch."))
+
+    # quantized modules with a bias get a slot for it (their codes are non-persistent buffers)
+    for name, module in model.named_modules():
+        if isinstance(module, (Int4Linear, Int8Linear, Int8GroupedLinear)) and f"{name}.bias" in state:
+            module.bias = nn.Parameter(torch.empty(module.out_features, device="meta"), requires_grad=False)
+    embed = model.model.embed_tokens
+    if config.tie_word_embeddings:
+        if isinstance(embed, Int8Embedding):
+            model.lm_head = embed.tied_head()
+        else:
+            state[HEAD] = state[EMBEDDING]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings and not isinstance(embed, Int8Embedding):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config)  # buffers were built on the meta device
+    release_load_scratch(checkpoint)
+    return model.eval()
+
+
+def release_load_scratch(checkpoint=None) -> None:
+    """Give the conversion's scratch memory back to the OS (best effort).
+
+    Packed weights and per-tensor scratch interleave on the C heap, so glibc keeps ~the model's
+    size again in free pages after a load: ``malloc_trim`` returns them. The file's pages that
+    the load touched are page cache; ``MADV_DONTNEED`` unmaps them from this process (a later
+    read faults them back in), so the resident size is the weights themselves.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+    import mmap
+
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+    mapped = getattr(checkpoint, "_mmap", None)
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
+
+
+def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, module)
+
+
+def _raw_rows(checkpoint, file_name: str, raw) -> torch.Tensor | None:
+    """The tensor's bytes as (rows, bytes_per_row) uint8 with llama Q/K rows un-permuted; None if not GGUF."""
+    if getattr(checkpoint, "file_format", None) != "gguf":
+        return None
+    info = checkpoint.tensors[file_name]
+    data = raw if isinstance(raw, np.ndarray) else np.asarray(raw)
+    rows = torch.from_numpy(data).reshape(info.shape[0], -1)  # (N, bytes per row)
+    if checkpoint.metadata.get("general.architecture") == "llama":
+        if file_name.endswith("attn_q.weight"):
+            rows = unpermute_rows(rows, checkpoint.config.n_heads).contiguous()
+        elif file_name.endswith("attn_k.weight"):
+            rows = unpermute_rows(rows, checkpoint.config.n_kv_heads).contiguous()
+    return rows
+
+
+def _float_matrix(checkpoint, file_name: str, raw, rows: torch.Tensor | None) -> torch.Tensor:
+    if rows is None:  # Hugging Face: already a float tensor
+        return checkpoint.dequantize(file_name, raw).float()
+    info = checkpoint.tensors[file_name]
+    return dequantize_rows(rows, info.type_name, info.shape[-1])
+
+
+def _build(checkpoint, file_name: str, param_name: str, raw, fmt: str, type_name: str, dtype: torch.dtype,
+           device: torch.device) -> tuple[nn.Module | None, str]:
+    """The quantized module of one weight, or (None, why) when no kernel runs its shape on ``device``."""
+    shape = checkpoint.tensors[file_name].shape if getattr(checkpoint, "file_format", None) == "gguf" else raw.shape
+    n, k = int(shape[0]), int(shape[-1])
+    grouped = param_name in (EMBEDDING, HEAD)  # the vocabulary-wide tables keep Q8_0's group scales
+    if grouped:
+        reason = int8_unsupported_reason(device, n, k)
+    elif fmt == "int4":
+        reason = int4_unsupported_reason(device, n, k)
+    else:
+        reason = int8_unsupported_reason(device, n, k)
+    if reason:
+        return None, reason
+    rows = _raw_rows(checkpoint, file_name, raw)
+    if fmt == "int4":
+        if rows is not None and type_name in INT4_TYPES:
+            return Int4Linear.from_int4_rows(unpack_int4(rows, type_name), device=device), ""
+        return Int4Linear.from_float(_float_matrix(checkpoint, file_name, raw, rows), device=device), ""
+    if grouped:
+        codes, scales = _int8_group_rows(checkpoint, file_name, raw, rows, type_name)
+        if param_name == EMBEDDING:
+            return Int8Embedding.from_codes(codes, scales, device, dtype), ""
+        return Int8GroupedLinear.from_codes(codes, scales, device=device), ""
+    codes, scales = _int8_channel_rows(checkpoint, file_name, raw, rows, type_name, kernel_dtype_for(device))
+    return Int8Linear.from_codes(codes, scales, device=device), ""
+
+
+def _chunks(checkpoint, file_name: str, rows: torch.Tensor, type_name: str):
+    """Float32 values of ``ROW_CHUNK`` rows at a time."""
+    n_values = checkpoint.tensors[file_name].shape[-1]
+    for start in range(0, rows.shape[0], ROW_CHUNK):
+        yield dequantize_rows(rows[start:start + ROW_CHUNK], type_name, n_values)
+
+
+def _int8_channel_rows(checkpoint, file_name: str, raw, rows: torch.Tensor | None, type_name: str,
+                       scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 codes and float32 scales of a matrix, requantized ``ROW_CHUNK`` rows at a time."""
+    if rows is None:
+        return quantize_int8(checkpoint.dequantize(file_name, raw), scale_dtype)
+    parts = [quantize_int8(values, scale_dtype) for values in _chunks(checkpoint, file_name, rows, type_name)]
+    return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def _int8_group_rows(checkpoint, file_name: str, raw, rows: torch.Tensor | None,
+                     type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8 codes with a scale per 32 values: Q8_0 blocks as they are, other types requantized."""
+    if rows is None:
+        return quantize_int8_groups(checkpoint.dequantize(file_name, raw))
+    if type_name == "Q8_0":
+        return unpack_q8_0(rows)
+    parts = [quantize_int8_groups(values) for values in _chunks(checkpoint, file_name, rows, type_name)]
+    return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])

@@ -1,0 +1,435 @@
+"""Quantized weights: GGUF block decoding, int4/int8 layers vs the dequantized float computation,
+the loading path (kept quantized, Q/K rows un-permuted), metrics, and the default model's
+greedy output and weight memory with ``--weights int4``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from hybridllm.loading.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
+from hybridllm.models.quantized import (
+    Int4Linear,
+    Int8Embedding,
+    Int8GroupedLinear,
+    Int8Linear,
+    int4_unsupported_reason,
+    int8_unsupported_reason,
+    quantize_model,
+    weights_format,
+)
+
+RNG = np.random.default_rng(0)
+
+
+def q4k_encode(x: np.ndarray) -> np.ndarray:
+    """A plain Q4_K quantizer for tests (gguf-py has none): (rows, K) float -> (rows, K/256*144) bytes."""
+    x = np.asarray(x, np.float32)
+    rows, k = x.shape
+    sub = x.reshape(rows, k // 256, 8, 32)
+    lo, hi = np.minimum(sub.min(-1), 0.0), sub.max(-1)
+    scale, mins = (hi - lo) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (mins.max(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(mins / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63).astype(np.uint8)
+    step = np.where(sc > 0, d[..., None] * sc, 1)[..., None]
+    q = np.clip(np.round((sub + (dmin[..., None] * mn)[..., None]) / step), 0, 15).astype(np.uint8)
+    packed = np.zeros((rows, k // 256, 12), np.uint8)
+    packed[..., 0:4] = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0xF) | ((mn[..., 4:] & 0xF) << 4)
+    qs = q.reshape(rows, k // 256, 4, 2, 32)
+    nibbles = (qs[:, :, :, 0] | (qs[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
+    halves = [v.astype(np.float16)[..., None].view(np.uint8) for v in (d, dmin)]
+    return np.concatenate([*halves, packed, nibbles], -1).reshape(rows, -1)
+
+
+def quantize_bytes(x: np.ndarray, qtype: str) -> np.ndarray:
+    import gguf
+
+    if qtype == "Q4_K":
+        return q4k_encode(x)
+    return gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype])
+
+
+def gguf_reference(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32))
+
+
+# ---- block layouts ----------------------------------------------------------------------
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_block_decoders_equal_gguf_py(qtype):
+    x = RNG.standard_normal((6, 512)).astype(np.float32)
+    raw = quantize_bytes(x, qtype)
+    ref = gguf_reference(raw, qtype)
+    assert torch.equal(dequantize_rows(raw, qtype, 512), ref)
+    assert (ref - torch.from_numpy(x)).abs().max() < 0.5  # the encoder above is a real quantizer
+
+
+def test_q4_k_random_blocks_decode_like_gguf_py():
+    raw = RNG.integers(0, 256, (4, 2 * 144), dtype=np.uint8)
+    for block in range(2):  # keep d and dmin finite
+        for at in (0, 2):
+            raw[:, block * 144 + at:block * 144 + at + 2] = np.float16(RNG.random((4, 1))).view(np.uint8)
+    assert torch.equal(dequantize_rows(raw, "Q4_K", 512), gguf_reference(raw, "Q4_K"))
+
+
+def test_int4_rows_are_codes_with_group_scale_and_offset():
+    x = RNG.standard_normal((3, 64)).astype(np.float32)
+    rows = unpack_int4(quantize_bytes(x, "Q4_1"), "Q4_1")
+    assert rows.q.dtype == torch.uint8 and rows.q.shape == (3, 64) and int(rows.q.max()) <= 15
+    assert rows.scale.shape == rows.offset.shape == (3, 2)
+    codes, scales = unpack_q8_0(quantize_bytes(x, "Q8_0"))
+    assert codes.dtype == torch.int8 and codes.shape == (3, 64) and scales.shape == (3, 2)
+
+
+# ---- layers vs the dequantized float computation -----------------------------------------
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_int4_linear_maps_gguf_blocks_exactly(qtype):
+    """In float32 the kernel's (q - 8) * scale + zero reproduces the GGUF values exactly."""
+    x = RNG.standard_normal((48, 256)).astype(np.float32)
+    raw = quantize_bytes(x, qtype)
+    ref = gguf_reference(raw, qtype)  # (48, 256)
+    layer = Int4Linear.from_int4_rows(unpack_int4(raw, qtype), kernel_dtype=torch.float32)
+    torch.testing.assert_close(layer.dequantize(), ref, rtol=0, atol=1e-6)
+    inputs = torch.randn(2, 5, 256)
+    torch.testing.assert_close(layer(inputs), inputs @ ref.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_int4_linear_bfloat16_kernel_matches_dequantized(qtype):
+    x = RNG.standard_normal((64, 256)).astype(np.float32)
+    raw = quantize_bytes(x, qtype)
+    ref = gguf_reference(raw, qtype)
+    layer = Int4Linear.from_int4_rows(unpack_int4(raw, qtype))  # default: bfloat16 (the fast path)
+    assert layer.kernel_dtype == torch.bfloat16
+    # the stored scale/zero are bfloat16: ~2^-9 relative per group
+    assert (layer.dequantize() - ref).abs().max() <= 0.01 * ref.abs().max()
+    inputs = torch.randn(7, 256)
+    out = layer(inputs)
+    assert out.dtype == torch.float32 and out.shape == (7, 64)
+    expected = inputs @ layer.dequantize().T
+    assert (out - expected).abs().max() <= 0.01 * expected.abs().max()
+    assert (out - inputs @ ref.T).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_int4_linear_from_float_with_bias():
+    weight, bias = torch.randn(32, 96), torch.randn(32)
+    layer = Int4Linear.from_float(weight, bias)
+    assert (layer.dequantize() - weight).abs().max() <= (weight.max() - weight.min()) / 15  # within one step
+    inputs = torch.randn(3, 4, 96)
+    expected = inputs @ layer.dequantize().T + bias
+    assert (layer(inputs) - expected).abs().max() <= 0.01 * expected.abs().max()
+    exact = Int4Linear.from_float(weight, bias, kernel_dtype=torch.float32)
+    torch.testing.assert_close(exact(inputs), inputs @ exact.dequantize().T + bias, rtol=1e-5, atol=1e-4)
+
+
+def test_int4_unpack_codes_roundtrip():
+    x = RNG.standard_normal((32, 128)).astype(np.float32)
+    rows = unpack_int4(quantize_bytes(x, "Q4_0"), "Q4_0")
+    assert torch.equal(Int4Linear.from_int4_rows(rows).unpack_codes(), rows.q)
+
+
+@pytest.mark.parametrize("kernel_dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_dequantized(kernel_dtype):
+    weight, bias = torch.randn(40, 64), torch.randn(40)
+    layer = Int8Linear.from_float(weight, bias, kernel_dtype=kernel_dtype)
+    assert layer.weight.dtype == torch.int8 and layer.scales.dtype == kernel_dtype
+    assert (layer.dequantize() - weight).abs().max() <= weight.abs().max() / 126  # half a step per row
+    inputs = torch.randn(2, 3, 64)
+    expected = inputs @ layer.dequantize().T + bias
+    tol = 1e-5 if kernel_dtype == torch.float32 else 0.01
+    assert (layer(inputs) - expected).abs().max() <= tol * expected.abs().max()
+
+
+def test_int8_grouped_linear_and_embedding_are_exact_q8_0():
+    x = RNG.standard_normal((96, 128)).astype(np.float32)
+    raw = quantize_bytes(x, "Q8_0")
+    ref = gguf_reference(raw, "Q8_0")
+    codes, scales = unpack_q8_0(raw)
+    embedding = Int8Embedding.from_codes(codes, scales)
+    assert torch.equal(embedding.dequantize(), ref)
+    ids = torch.tensor([[3, 95, 3], [0, 1, 2]])
+    assert torch.equal(embedding(ids), ref[ids])
+    head = embedding.tied_head()
+    assert head.weight is embedding.weight  # one copy of the codes
+    inputs = torch.randn(4, 128)
+    expected = inputs @ ref.T
+    assert (head(inputs) - expected).abs().max() <= 0.01 * expected.abs().max()
+    exact = Int8GroupedLinear.from_codes(codes, scales, kernel_dtype=torch.float32)
+    torch.testing.assert_close(exact(inputs), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_kernel_shape_limits_are_reported():
+    assert int4_unsupported_reason("cpu", 8, 64) is not None  # CPU int4: out_features % 16
+    assert int4_unsupported_reason("cpu", 16, 48) is not None  # group of 32
+    assert int4_unsupported_reason("cpu", 16, 64) is None
+    assert int8_unsupported_reason("cpu", 3, 40) is not None  # the CPU int8 kernel crashes on K % 16
+    assert int8_unsupported_reason("cpu", 3, 64) is None
+
+
+# ---- loading -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_quantized(tiny_models, tmp_path_factory):
+    """weight type -> GGUF file of the tiny llama model (Q/K rows permuted by the writer)."""
+    from tiny_models import save_as_gguf
+
+    folder = tiny_models["llama"][0]
+    root = tmp_path_factory.mktemp("tinyq")
+    return {qtype: save_as_gguf(folder, root / f"llama-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q5_0")}
+
+
+def _logits(llm, ids):
+    cache = llm.new_cache()
+    with torch.inference_mode():
+        return llm.model(torch.tensor([ids]), cache, start_pos=0, all_logits=True)[0]
+
+
+def _dequantized_logits(llm, ids):
+    """Logits of a float copy of ``llm``'s model whose weights are its quantized weights, dequantized."""
+    import copy
+
+    from torch import nn
+
+    model = copy.deepcopy(llm.model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Embedding):
+                setattr(parent, name, nn.Embedding.from_pretrained(child.dequantize()))
+            elif isinstance(child, (Int4Linear, Int8Linear, Int8GroupedLinear)):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                linear.weight = nn.Parameter(child.dequantize(), requires_grad=False)
+                if child.bias is not None:
+                    linear.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
+                setattr(parent, name, linear)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), llm.new_cache(), start_pos=0, all_logits=True)[0]
+
+
+def _assert_close_logits(test, ref, rel=0.03):
+    """Relative L2 error of the logits (the random tiny models amplify any rounding several-fold)."""
+    error = ((test - ref).norm() / ref.norm()).item()
+    assert error <= rel, error
+
+
+@pytest.mark.parametrize("qtype,expected", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
+def test_auto_keeps_the_file_quantization(tiny_quantized, qtype, expected):
+    from hybridllm import LLM
+
+    path = tiny_quantized[qtype]
+    quant, ref = LLM(path, weights="auto"), LLM(path, weights="float")
+    assert quant.weights_format == expected and ref.weights_format == "float32"
+    attn = quant.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, Int4Linear if expected == "int4" else Int8Linear)
+    assert isinstance(quant.model.model.embed_tokens, Int8Embedding)
+    # Q/K rows un-permuted on the raw blocks: the kept-quantized matrices equal the float path's
+    ref_attn = ref.model.model.layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        w, w_ref = getattr(attn, name).dequantize(), getattr(ref_attn, name).weight
+        assert (w - w_ref).abs().max() <= 0.02 * w_ref.abs().max(), name
+    # a 4-bit token table is requantized to int8 groups (~0.4% of a row's range), which the
+    # random tiny model amplifies; Q8_0 tables are kept exactly
+    ids = list(range(5, 40))
+    _assert_close_logits(_logits(quant, ids), _dequantized_logits(quant, ids))
+    _assert_close_logits(_logits(quant, ids), _logits(ref, ids), rel=0.06)
+    assert sum(quant.weight_bytes.values()) < 0.5 * sum(ref.weight_bytes.values())
+
+
+def test_auto_falls_back_to_float_for_types_without_kernel(tiny_quantized, caplog):
+    from hybridllm import LLM
+
+    with caplog.at_level(logging.WARNING, logger="hybridllm"):
+        llm = LLM(tiny_quantized["Q5_0"], weights="auto")
+    assert llm.weights_format == "float32"
+    assert any("Q5_0" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
+    forced = LLM(tiny_quantized["Q5_0"], weights="int4")  # requantized from float
+    assert forced.weights_format == "int4"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_hf_folder_requantized(tiny_models, mode):
+    from hybridllm import LLM
+
+    folder = tiny_models["qwen2"][0]  # q/k/v biases
+    quant, ref = LLM(folder, weights=mode), LLM(folder)
+    assert quant.weights_format == mode
+    assert quant.model.model.layers[0].self_attn.q_proj.bias is not None
+    ids = list(range(5, 30))
+    _assert_close_logits(_logits(quant, ids), _dequantized_logits(quant, ids))
+    _assert_close_logits(_logits(quant, ids), _logits(ref, ids), rel=0.5 if mode == "int4" else 0.1)
+
+
+def test_q4_k_file_loads_as_int4(tiny_models, tmp_path, monkeypatch):
+    import gguf
+    from tiny_models import build_hf_model, save_as_gguf
+
+    from hybridllm import LLM
+
+    folder = tmp_path / "hf"
+    build_hf_model(folder, "llama", hidden_size=256, intermediate_size=512)
+    real_quantize = gguf.quants.quantize
+
+    def quantize(array, qtype):
+        return q4k_encode(array) if qtype == gguf.GGMLQuantizationType.Q4_K else real_quantize(array, qtype)
+
+    monkeypatch.setattr(gguf.quants, "quantize", quantize)
+    from hybridllm.loading import gguf_writer
+
+    monkeypatch.setattr(gguf_writer, "QUANT_TYPES", (*gguf_writer.QUANT_TYPES, "Q4_K"))
+    monkeypatch.setitem(gguf_writer.GGUF_FILE_TYPES, "Q4_K", 15)
+    path = save_as_gguf(folder, tmp_path / "q4k.gguf", "Q4_K")
+    quant, ref = LLM(path, weights="auto"), LLM(path, weights="float")
+    assert quant.checkpoint.tensors["blk.0.attn_q.weight"].type_name == "Q4_K"
+    assert quant.weights_format == "int4"
+    w, w_ref = quant.model.model.layers[1].self_attn.k_proj.dequantize(), ref.model.model.layers[1].self_attn.k_proj.weight
+    assert (w - w_ref).abs().max() <= 0.02 * w_ref.abs().max()
+    ids = list(range(5, 30))
+    _assert_close_logits(_logits(quant, ids), _dequantized_logits(quant, ids))
+    _assert_close_logits(_logits(quant, ids), _logits(ref, ids), rel=0.1)
+
+
+def test_quantize_model_transform_on_a_float_model(tiny_models):
+    from hybridllm import LLM
+
+    llm = LLM(tiny_models["llama"][1])
+    ids = list(range(3, 20))
+    ref = _logits(llm, ids)
+    quantize_model(llm.model, "int8")
+    assert weights_format(llm.model) == "int8"
+    _assert_close_logits(_logits(llm, ids), _dequantized_logits(llm, ids))
+    _assert_close_logits(_logits(llm, ids), ref, rel=0.1)
+
+
+def test_metrics_record_weights_format_and_bytes(tiny_quantized):
+    from hybridllm import LLM, SamplingParams
+
+    llm = LLM(tiny_quantized["Q4_1"], weights="auto")
+    metrics = llm.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)).metrics
+    assert metrics["weights_format"] == "int4"
+    assert metrics["weight_bytes"] == llm.weight_bytes and metrics["weight_bytes"]["device"] > 0
+    float_metrics = LLM(tiny_quantized["Q4_1"]).generate([1, 2, 3], SamplingParams(max_tokens=2)).metrics
+    assert float_metrics["weights_format"] == "float32"
+
+
+def test_unknown_weights_mode_is_a_config_error(tiny_quantized):
+    from hybridllm import LLM
+    from hybridllm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="weights"):
+        LLM(tiny_quantized["Q4_1"], weights="int3")
+
+
+# ---- the default model -----------------------------------------------------------------
+REFERENCE_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
+
+
+@pytest.fixture(scope="module")
+def default_int4():
+    from hybridllm import LLM
+
+    return LLM(weights="int4")
+
+
+def test_default_model_int4_greedy_equals_float(default_llm, default_int4):
+    from hybridllm import SamplingParams
+
+    assert default_int4.weights_format == "int4"
+    params = SamplingParams(max_tokens=24, temperature=0)
+    same = 0
+    for prompt in REFERENCE_PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        same += default_int4.generate(messages, params).token_ids == default_llm.generate(messages, params).token_ids
+    assert same >= 2, f"int4 greedy output equals float on {same} of 3 prompts"
+
+
+def test_default_model_int4_weight_bytes_near_file_bytes(default_int4):
+    file_bytes = sum(info.nbytes for info in default_int4.checkpoint.tensors.values())
+    ledger = sum(default_int4.weight_bytes.values())
+    assert abs(ledger / file_bytes - 1) <= 0.15
+
+
+def test_default_model_int4_resident_memory_near_file_bytes():
+    """RSS growth of loading the model (after the runtime has warmed up) is the weights' bytes."""
+    script = textwrap.dedent("""
+        import json, torch
+        from hybridllm.loading.loader import load_model
+        from hybridllm.loading.quantized_loader import release_load_scratch
+        from hybridllm.loading.registry import open_checkpoint
+        from hybridllm.models.llama import LlamaForCausalLM
+        from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear
+
+        def rss():
+            fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+            return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon")}
+
+        checkpoint = open_checkpoint(None)
+        Int4Linear.from_float(torch.randn(64, 64))(torch.randn(2, 64))  # warm the kernels' runtime
+        Int8GroupedLinear.from_float(torch.randn(64, 64))(torch.randn(2, 64))
+        with torch.device("meta"):
+            LlamaForCausalLM(checkpoint.config)
+        release_load_scratch(checkpoint)
+        before = rss()
+        model = load_model(checkpoint, torch.float32, lambda name: torch.device("cpu"), weights="int4")
+        after = rss()
+        print(json.dumps({k: after[k] - before[k] for k in before}
+                         | {"file": sum(i.nbytes for i in checkpoint.tensors.values())}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    grown = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("VmRSS", "RssAnon"):
+        assert abs(grown[key] / grown["file"] - 1) <= 0.15, (key, grown)
+
+
+# ---- CUDA ----------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("qtype", INT4_TYPES)
+def test_cuda_int4_linear_matches_dequantized(qtype):
+    x = RNG.standard_normal((64, 256)).astype(np.float32)
+    raw = quantize_bytes(x, qtype)
+    ref = gguf_reference(raw, qtype).cuda()
+    layer = Int4Linear.from_int4_rows(unpack_int4(raw, qtype), device="cuda")
+    assert (layer.dequantize() - ref).abs().max() <= 0.01 * ref.abs().max()
+    assert torch.equal(layer.unpack_codes().cpu(), unpack_int4(raw, qtype).q)
+    inputs = torch.randn(5, 256, device="cuda")
+    expected = inputs @ ref.T
+    assert (layer(inputs) - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.cuda
+def test_cuda_int8_layers_match_dequantized():
+    weight = torch.randn(64, 128)
+    inputs = torch.randn(3, 128, device="cuda")
+    for layer in (Int8Linear.from_float(weight, device="cuda"), Int8GroupedLinear.from_float(weight, device="cuda")):
+        expected = inputs @ layer.dequantize().T
+        assert (layer(inputs) - expected).abs().max() <= 0.01 * expected.abs().max()
+
+
+@pytest.mark.cuda
+def test_int4_linear_moves_between_devices():
+    weight = torch.randn(64, 128)
+    layer = Int4Linear.from_float(weight)
+    reference = layer.dequantize()
+    layer.to("cuda")
+    torch.testing.assert_close(layer.dequantize().cpu(), reference)
+    layer.to("cpu")
+    torch.testing.assert_close(layer.dequantize(), reference)
+
+
+@pytest.mark.cuda
+def test_cuda_default_model_int4(default_model_path):
+    from hybridllm import LLM, SamplingParams
+
+    llm = LLM(weights="int4", device="cuda")
+    out = llm.generate([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(max_tokens=16, temperature=0))
+    assert "Paris" in out.text and out.metrics["weights_format"] == "int4"
