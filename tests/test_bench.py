@@ -27,7 +27,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROW_KEYS = {
     "engine", "model", "kv_cache", "decode_on", "n_gpu_layers", "context", "new_tokens", "prefill_tps", "ttft_s",
     "decode_tps", "tpot_p50_s", "tpot_p99_s", "peak_device_bytes", "peak_host_bytes", "kv_bytes", "bus_bytes",
-    "status", "error", "repeat",
+    "status", "error", "repeat", "weights_format", "weight_bytes",
 }
 TINY_CONFIG = {
     "model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -98,6 +98,7 @@ def test_two_config_sweep_with_a_forced_failure(tiny_gguf, tmp_path):
     assert row["decode_tps_spread"] >= 0
     assert len(row["runs"]) == 2
     assert row["kv_bytes"]["device"] > 0
+    assert row["weights_format"] == "float32" and row["weight_bytes"]["device"] > 0
 
     with open(tmp_path / "out.csv") as handle:
         records = list(csv.DictReader(handle))

@@ -25,7 +25,8 @@ CSV_COLUMNS = (
     "prefill_tps", "prefill_tps_spread", "ttft_s", "ttft_s_spread", "decode_tps", "decode_tps_spread",
     "tpot_p50_s", "tpot_p50_s_spread", "tpot_p99_s", "tpot_p99_s_spread",
     "peak_device_bytes", "peak_host_bytes", "kv_bytes_device", "kv_bytes_host", "bus_bytes",
-    "status", "error", "threads", "device", "dtype", "kv_options", "weights", "weights_format", "load_s", "wall_s",
+    "status", "error", "threads", "device", "dtype", "kv_options", "weights", "weights_format",
+    "weight_bytes_device", "weight_bytes_host", "load_s", "wall_s",
 )
 
 
@@ -64,6 +65,9 @@ def flatten(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: row.get(k) for k in CSV_COLUMNS}
     out["kv_bytes_device"] = kv.get("device")
     out["kv_bytes_host"] = kv.get("host")
+    weights = row.get("weight_bytes") or {}
+    out["weight_bytes_device"] = weights.get("device")
+    out["weight_bytes_host"] = weights.get("host")
     out["kv_options"] = json.dumps(row.get("kv_options") or {}, sort_keys=True)
     return out
 

@@ -154,6 +154,7 @@ def base_row(config: BenchConfig) -> dict[str, Any]:
         "kv_options": dict(config.kv_options),
         "weights": config.weights,
         "weights_format": None,
+        "weight_bytes": {"device": None, "host": None},
         "load_s": None,
         "wall_s": None,
     }

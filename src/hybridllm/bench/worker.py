@@ -86,6 +86,7 @@ class HybridRunner:
             figures[key] = metrics[key]  # the engine's own recorder, same formulas
         figures["kv_pages_moved"] = metrics.get("kv_pages_moved")
         figures["weights_format"] = metrics.get("weights_format")
+        figures["weight_bytes"] = metrics.get("weight_bytes")
         return figures
 
 
@@ -150,7 +151,8 @@ def measure(config: BenchConfig) -> dict[str, Any]:
         runner.run(prompt[:min(WARMUP_PROMPT_TOKENS, len(prompt))], WARMUP_NEW_TOKENS)
     runs = [runner.run(prompt, config.new_tokens) for _ in range(config.repeat)]
     return {"status": "ok", "error": None, "variant": runner.variant, "load_s": load_s, **summarize(runs),
-            "weights_format": runs[0].get("weights_format"), "runs": runs}
+            "weights_format": runs[0].get("weights_format"),
+            "weight_bytes": runs[0].get("weight_bytes") or {"device": None, "host": None}, "runs": runs}
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:
