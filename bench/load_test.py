@@ -31,6 +31,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from hybridllm.engine.metrics import percentile
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -52,14 +54,6 @@ PROMPTS = [
 MAX_REQUESTS = 256
 MAX_CONCURRENCY = 64
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:

@@ -88,7 +88,7 @@ class ColdStart:
         return out
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
     ordered = sorted(values)
     pos = (len(ordered) - 1) * q / 100
@@ -121,8 +121,8 @@ class RequestMetrics:
             "cold_start_s": self.cold_start_s,
             "ttft_s": self.ttft_s,
             "tpot_mean_s": statistics.fmean(intervals) if intervals else None,
-            "tpot_p50_s": _percentile(intervals, 50) if intervals else None,
-            "tpot_p99_s": _percentile(intervals, 99) if intervals else None,
+            "tpot_p50_s": percentile(intervals, 50) if intervals else None,
+            "tpot_p99_s": percentile(intervals, 99) if intervals else None,
             "decode_tps": len(intervals) / decode_s if decode_s > 0 else None,
             "prefill_tps": self.prompt_tokens / self.ttft_s if self.ttft_s else None,
             "prompt_tokens": self.prompt_tokens,

@@ -46,18 +46,7 @@ def load_model(
         return load_quantized_model(checkpoint, dtype, device_for, cold_start, show_progress, weights)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = {name for name, _ in model.named_parameters()}
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    names = checkpoint.parameter_names()  # file name -> parameter name
-    missing = expected - set(names.values())
-    if missing:
-        raise ModelLoadError(f"{checkpoint.path}: missing weights, e.g. {sorted(missing)[0]}")
-    total = sum(checkpoint.nbytes(n) for n in names)
-    if show_progress is None:
-        show_progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    model, expected, names, show_progress, total = prepare_skeleton(checkpoint, show_progress)
 
     state: dict[str, torch.Tensor] = {}
     with _progress(show_progress, total, checkpoint.path.name) as advance:
@@ -87,6 +76,25 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config)  # buffers were built on the meta device
     return model.eval()
+
+
+def prepare_skeleton(checkpoint, show_progress: bool | None):
+    """The model on the meta device, the parameter names to fill, the file's name map, whether
+    to show a progress bar, and the bytes to read. Raises ModelLoadError when weights are missing."""
+    config = checkpoint.config
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name for name, _ in model.named_parameters()}
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    names = checkpoint.parameter_names()  # file name -> parameter name
+    missing = expected - set(names.values())
+    if missing:
+        raise ModelLoadError(f"{checkpoint.path}: missing weights, e.g. {sorted(missing)[0]}")
+    total = sum(checkpoint.nbytes(n) for n in names)
+    if show_progress is None:
+        show_progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    return model, expected, names, show_progress, total
 
 
 class _progress:

@@ -19,7 +19,6 @@ independent, so the permutation commutes with block quantization).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,7 +28,6 @@ import torch
 from torch import nn
 
 from hybridllm.engine.metrics import ColdStart, synchronize
-from hybridllm.errors import ModelLoadError
 from hybridllm.loading.gguf import unpermute_rows
 from hybridllm.loading.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
 from hybridllm.models.layers import RotaryEmbedding
@@ -95,23 +93,12 @@ def load_quantized_model(
     weights: str = "auto",
 ) -> LlamaForCausalLM:
     """Like :func:`hybridllm.loading.loader.load_model`, with weights kept quantized per ``weights``."""
-    from hybridllm.loading.loader import PROGRESS_MIN_BYTES, _progress
+    from hybridllm.loading.loader import _progress, prepare_skeleton
 
     check_weights_mode(weights)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = {name for name, _ in model.named_parameters()}
-    if config.tie_word_embeddings:
-        expected.discard(HEAD)
-    names = checkpoint.parameter_names()
-    missing = expected - set(names.values())
-    if missing:
-        raise ModelLoadError(f"{checkpoint.path}: missing weights, e.g. {sorted(missing)[0]}")
-    total = sum(checkpoint.nbytes(n) for n in names)
-    if show_progress is None:
-        show_progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    model, expected, names, show_progress, total = prepare_skeleton(checkpoint, show_progress)
 
     state: dict[str, torch.Tensor] = {}
     fallbacks: Counter[tuple[str, str]] = Counter()
