@@ -12,7 +12,8 @@ measured figure. Run it on a quiet machine: other processes competing for the co
 measured figure, not the prediction made before it. Each context is generated ``--repeats``
 times and the fastest run is reported (the probe, likewise, reports its fastest repeat); the
 table shows each run's CPU utilisation (CPU time / (wall time x threads)): well below 1 means
-other processes took the cores and the measurement is not the machine's.
+other processes took the cores and the measurement is not the machine's. ``--wait-idle S``
+waits (up to S seconds) before each generation until the other processes leave the CPUs idle.
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ def build_prompt(llm, n_tokens: int) -> list[int]:
     return out[:n_tokens]
 
 
+def wait_for_idle(max_wait_s: float, busy_percent: float = 15.0) -> float:
+    """Wait (up to ``max_wait_s``) until other processes use less than ``busy_percent`` of the CPUs
+    over 3 s; return the last reading. This process is idle meanwhile, so the reading is theirs."""
+    import psutil
+
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        busy = psutil.cpu_percent(interval=3.0)
+        if busy < busy_percent or time.monotonic() >= deadline:
+            return busy
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="512,4096", help="prompt lengths, comma-separated")
@@ -46,6 +59,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="generations per context; the fastest is reported")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                        help="before each generation, wait up to this long for the other processes to go quiet")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
 
@@ -57,6 +72,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     cfg, name, _ = load_model_config(None)
     llm_kwargs = {"threads": args.threads, "dtype": "float32", "device": "cpu"}
+    if args.wait_idle > 0:
+        wait_for_idle(args.wait_idle)
     t0 = time.perf_counter()
     profile = probe_machine(threads=args.threads, model_config=cfg, dtype=torch.float32)
     probe_s = time.perf_counter() - t0
@@ -77,10 +94,12 @@ def main() -> int:
         prompt = build_prompt(llm, ctx)
         runs = []
         for _ in range(args.repeats):
+            others_busy = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else None
             cpu0, wall0 = time.process_time(), time.perf_counter()
             m = llm.generate(prompt, params).metrics
             # CPU time / (wall time x threads): near 1 when the threads had the cores to themselves
             m["cpu_utilisation"] = (time.process_time() - cpu0) / ((time.perf_counter() - wall0) * args.threads)
+            m["others_busy_percent_before"] = others_busy
             runs.append(m)
         best = max(runs, key=lambda m: m["decode_tps"])  # best of N, as the probe takes its best repeat
         pred = predicted_for_run(result, cfg, best["prompt_tokens"], best["generated_tokens"])
@@ -108,7 +127,8 @@ def main() -> int:
     print(f"probe ({probe_s:.1f} s): decode bandwidth at the model's shapes {profile.model_gemv_gbs:.1f} GB/s "
           f"(layers {detail['layers']:.1f}, head {detail['head']:.1f}); generic matrix-vector "
           f"{profile.host_gemv_gbs:.1f}, read {profile.host_read_gbs:.1f}, copy {profile.host_copy_gbs:.1f} GB/s; "
-          f"matmul {profile.host_flops / 1e9:.1f} GFLOP/s; overhead {profile.host_layer_overhead_s * 1e6:.0f} us/layer"
+          f"matmul {profile.host_flops / 1e9:.1f} GFLOP/s (prefill chunk at the model's shapes "
+          f"{detail['prefill_flops'] / 1e9:.1f}); overhead {profile.host_layer_overhead_s * 1e6:.0f} us/layer"
           f" + {profile.host_token_overhead_s * 1e6:.0f} us/token")
     print(f"plan: {result.candidate.describe(cfg, hw.has_device)}")
     print(f"load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f}")

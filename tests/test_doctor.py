@@ -47,6 +47,18 @@ def test_missing_files_give_unknown_not_a_traceback(tmp_path):
     assert by_name["locked memory (ulimit -l)"].status == OK
 
 
+def test_probe_without_meminfo(monkeypatch):
+    import psutil
+
+    from hybridllm.placement import probe
+
+    def broken():
+        raise FileNotFoundError("/proc/meminfo")
+
+    monkeypatch.setattr(psutil, "virtual_memory", broken)
+    assert probe.memory_totals() == (0, 0)
+
+
 def test_unreadable_and_garbage_files(tmp_path):
     write(tmp_path, "proc/sys/vm/swappiness", "not a number")
     write(tmp_path, "sys/kernel/mm/transparent_hugepage/enabled", "???")

@@ -758,7 +758,7 @@ def hardware_from(profile: Any | None, vram: int | None = None, ram: int | None 
     host_token = pick("host_token_overhead", None, getattr(profile, "host_token_overhead_s", None),
                       DEFAULT_HOST_TOKEN_OVERHEAD_S)
     if ram is None:
-        ram = profile.ram_budget_bytes if profile is not None else None
+        ram = (profile.ram_budget_bytes or None) if profile is not None else None
         sources["ram"] = "available" if ram is not None else "unknown"
         if ram is None:
             raise ConfigError("no RAM budget: give --ram (e.g. --ram 32GiB)")

@@ -222,8 +222,11 @@ def cgroup_memory_limit(root: Path = Path("/")) -> int | None:
 
 
 def memory_totals() -> tuple[int, int]:
-    """(total, available) host RAM in bytes."""
-    vm = psutil.virtual_memory()
+    """(total, available) host RAM in bytes; (0, 0) where the OS does not say (no /proc/meminfo)."""
+    try:
+        vm = psutil.virtual_memory()
+    except Exception:  # noqa: BLE001 - psutil raises several kinds when /proc is incomplete
+        return 0, 0
     return int(vm.total), int(vm.available)
 
 
@@ -576,6 +579,8 @@ def probe_machine(threads: int | None = None, model_path: str | os.PathLike | No
     repeats = 3 if quick else 5
     notes: list[str] = []
     total, available = memory_totals()
+    if not total:
+        notes.append("RAM total/available unknown (psutil could not read /proc/meminfo): give plan --ram")
     used_threads = threads or torch.get_num_threads()
     bandwidth = measure_host_bandwidth(QUICK_BANDWIDTH_BYTES if quick else DEFAULT_BANDWIDTH_BYTES, repeats, threads)
     flops = measure_host_flops(512 if quick else 1024, repeats, threads)
