@@ -114,6 +114,10 @@ def main() -> int:
             "predicted_breakdown_s": pred["decode_breakdown_s"],
             "measured_tpot_p50_s": best["tpot_p50_s"],
             "cpu_utilisation": best["cpu_utilisation"],
+            "predicted_peak_host_bytes": pred["peak_host_bytes"],
+            "measured_peak_host_bytes": best["peak_host_bytes"],
+            "predicted_peak_device_bytes": pred["peak_device_bytes"],
+            "measured_peak_device_bytes": best["peak_device_bytes"],
         })
     load_after = os.getloadavg()
 

@@ -292,3 +292,23 @@ def test_cli_plan_table_and_impossible_plan():
     assert len(lines) == 1 and "short by" in lines[0] and "Traceback" not in proc.stderr
     proc = run_cli("plan", "--model", str(MISTRAL_JSON), "--ram", "32GiB", "--no-probe", "--apply")
     assert proc.returncode == 2 and "config.json" in proc.stderr
+
+
+def _llm_takes_placement() -> bool:
+    import inspect
+
+    from hybridllm.llm import LLM
+
+    return "placement" in inspect.signature(LLM.__init__).parameters
+
+
+def test_cli_plan_apply_reports_predicted_and_measured():
+    proc = run_cli("plan", "--apply", "--json", "--no-probe", "--ram", "8GiB", "--max-tokens", "4", "--threads", "2")
+    if not _llm_takes_placement():
+        assert proc.returncode == 2 and "placement" in proc.stderr and "Traceback" not in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {"predicted", "measured", "plan"} <= set(out)
+    assert {"decode_tps", "ttft_s", "peak_device_bytes", "peak_host_bytes"} <= set(out["predicted"])
+    assert out["measured"]["generated_tokens"] == 4

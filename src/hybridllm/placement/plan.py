@@ -678,7 +678,8 @@ def _reason(cfg: ModelConfig, best: Candidate, pred: Prediction, fitting: list[t
             hw: Hardware, context: int, compute_dtype: str) -> str:
     """One paragraph: what was chosen, what bounds its speed, and the best plan that keeps more precision."""
     split = pred.decode_s
-    bound = max(("device memory", split["device"]), ("host memory", split["host"]), ("the bus", split["bus"]),
+    memory = "device memory" if hw.has_device else "memory bandwidth (RAM)"
+    bound = max((memory, split["device"]), ("host memory", split["host"]), ("the bus", split["bus"]),
                 ("fixed per-step overhead", split["overhead"]), key=lambda kv: kv[1])[0]
     where = "CPU only (no GPU: the CPU stands in for the device)" if not hw.has_device else ""
     text = (f"{where + '; ' if where else ''}fastest that fits {context} tokens: {best.describe(cfg, hw.has_device)}; "
