@@ -254,3 +254,26 @@ def test_batched_caches_route_rows_to_their_own_caches(default_llm):
         torch.testing.assert_close(logits[row, -1], ref, rtol=1e-4, atol=1e-4)
     for cache in caches:
         cache.reset()
+
+
+@pytest.mark.parametrize("placement", [{"n_gpu_layers": 1}, {"n_gpu_layers": 1, "decode_on": "host"},
+                                       {"decode_on": "host", "kv_cache": "tiered", "kv_page_size": 4,
+                                        "kv_hot_window": 8}])
+def test_batched_placements_equal_single_request_generate(tiny_folder, placement):
+    llm = LLM(model=tiny_folder, **placement)
+    reference_llm = LLM(model=tiny_folder)
+    sched = Scheduler(llm, max_batch=4)
+    out = Collector()
+    prompts = ["The quick brown fox", "Paris is", "Hybrid inference splits layers", "hello"]
+    for i, text in enumerate(prompts):
+        sched.submit(str(i), llm.encode_prompt(text), long_params(12), out.sink(str(i)))
+    sched.run_until_idle()
+    for i, text in enumerate(prompts):
+        assert out.last(str(i)).token_ids == reference_llm.generate(text, long_params(12)).token_ids
+    assert sched.ledger.current("device") == sched.ledger.current("host") == 0
+    stats = sched.stats()
+    if placement.get("decode_on") == "host":
+        assert sched.decode_model is not sched.model
+        assert stats["bus_bytes"]["d2h"] > 0  # every prompt's KV crossed to the host
+    if placement.get("n_gpu_layers") == 1:
+        assert stats["bus_bytes"]["hidden_states"] > 0

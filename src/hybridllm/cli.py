@@ -64,27 +64,50 @@ KVResidualOpt = Annotated[int, typer.Option("--kv-residual", help="quantized: ne
 KVOffloadOpt = Annotated[Optional[float], typer.Option("--kv-offload-percent", help="tiered: percent of cached tokens kept on the host instead of a window.")]
 VramOpt = Annotated[Optional[str], typer.Option("--vram-budget", help="Device memory budget, e.g. 8GiB (weights + KV).")]
 WeightsOpt = Annotated[str, typer.Option("--weights", help="Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4.")]
+PlacedWeightsOpt = Annotated[Optional[str], typer.Option("--weights", help="Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4 (default: the placement file's, else float).")]
+NGLOpt = Annotated[Optional[int], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device (the first N; the rest on the host), like llama.cpp.")]
+DecodeOnOpt = Annotated[Optional[str], typer.Option("--decode-on", help="device, or host: prefill on the device, then move the KV to the host and decode there.")]
+PlacementOpt = Annotated[Optional[Path], typer.Option("--placement", help="Placement JSON file (per-layer tiers, KV policy, decode tier; `hybridllm plan --json` writes one).")]
+KVAdaptiveOpt = Annotated[bool, typer.Option("--kv-adaptive/--no-kv-adaptive", help="When device KV fills up mid-request, shrink the hot window or move decoding to the host instead of failing.")]
 
 
 def _kv_options(kv_cache: str, kv_page_size: int, kv_hot_window: int, kv_sink_tokens: int, kv_cold_bits: int,
-                kv_bits: int, kv_residual: int, kv_offload_percent: float | None, vram_budget: str | None) -> dict[str, Any]:
+                kv_bits: int, kv_residual: int, kv_offload_percent: float | None, vram_budget: str | None,
+                kv_adaptive: bool = True) -> dict[str, Any]:
     return {
         "kv_cache": kv_cache, "kv_page_size": kv_page_size, "kv_hot_window": kv_hot_window,
         "kv_sink_tokens": kv_sink_tokens, "kv_cold_bits": kv_cold_bits, "kv_bits": kv_bits,
         "kv_residual": kv_residual, "kv_offload_percent": kv_offload_percent, "vram_budget": vram_budget,
+        "kv_adaptive": kv_adaptive,
     }
 
 
-def _load(model: Path | None, device: str, dtype: str, threads: int | None, kv: dict[str, Any], weights: str = "float"):
-    from hybridllm.config import EngineConfig, KVConfig
-    from hybridllm.llm import LLM
+def placement_options(n_gpu_layers: int | None, decode_on: str | None, placement: Path | None,
+                      kv: dict[str, Any]) -> dict[str, Any]:
+    """``LLM`` keyword arguments for the placement flags and the KV flags.
 
-    EngineConfig(device=device, dtype=dtype, threads=threads)  # validate before the slow load
-    KVConfig(**kv)
+    With a placement file, only the KV flags that differ from their defaults are passed, so
+    they override the file's KV policy instead of resetting it.
+    """
+    from hybridllm.config import KVConfig
+
+    KVConfig(**kv)  # validate before the slow load
+    if placement is not None:
+        defaults = vars(KVConfig())
+        kv = {key: value for key, value in kv.items() if value != defaults[key]}
+    return {"n_gpu_layers": n_gpu_layers, "decode_on": decode_on, "placement": placement, **kv}
+
+
+def _load(model: Path | None, device: str, dtype: str, threads: int | None, options: dict[str, Any],
+          weights: str | None = None):
+    from hybridllm.config import EngineConfig
+    from hybridllm.llm import LLM
     from hybridllm.models.quantized import check_weights_mode
 
-    check_weights_mode(weights)
-    return LLM(model=model, device=device, dtype=dtype, threads=threads, weights=weights, **kv)
+    EngineConfig(device=device, dtype=dtype, threads=threads)  # validate before the slow load
+    if weights is not None:
+        check_weights_mode(weights)
+    return LLM(model=model, device=device, dtype=dtype, threads=threads, weights=weights, **options)
 
 
 @app.command()
@@ -115,7 +138,11 @@ def generate(
     kv_residual: KVResidualOpt = 128,
     kv_offload_percent: KVOffloadOpt = None,
     vram_budget: VramOpt = None,
-    weights: WeightsOpt = "float",
+    kv_adaptive: KVAdaptiveOpt = True,
+    weights: PlacedWeightsOpt = None,
+    n_gpu_layers: NGLOpt = None,
+    decode_on: DecodeOnOpt = None,
+    placement: PlacementOpt = None,
 ) -> None:
     """Generate a completion and report what each phase cost."""
     from hybridllm.config import SamplingParams
@@ -129,8 +156,9 @@ def generate(
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop or []), ignore_eos=ignore_eos,
     )
     kv = _kv_options(kv_cache, kv_page_size, kv_hot_window, kv_sink_tokens, kv_cold_bits, kv_bits, kv_residual,
-                     kv_offload_percent, vram_budget)
-    llm = _load(model, device, dtype, threads, kv, weights=weights)
+                     kv_offload_percent, vram_budget, kv_adaptive)
+    llm = _load(model, device, dtype, threads, placement_options(n_gpu_layers, decode_on, placement, kv),
+                weights=weights)
     use_chat = llm.tokenizer.has_chat_template if chat is None else chat
     request = [{"role": "user", "content": prompt}] if use_chat else prompt
     result = None
@@ -169,13 +197,18 @@ def chat(
     threads: ThreadsOpt = None,
     kv_cache: KVCacheOpt = "dynamic",
     vram_budget: VramOpt = None,
+    weights: PlacedWeightsOpt = None,
+    n_gpu_layers: NGLOpt = None,
+    decode_on: DecodeOnOpt = None,
+    placement: PlacementOpt = None,
 ) -> None:
     """Interactive chat that streams tokens. /reset clears the history, /exit (or Ctrl-D) quits."""
     from hybridllm.config import KVConfig, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     kv = {k: v for k, v in vars(KVConfig(kv_cache=kv_cache, vram_budget=vram_budget)).items()}
-    llm = _load(model, device, dtype, threads, kv)
+    llm = _load(model, device, dtype, threads, placement_options(n_gpu_layers, decode_on, placement, kv),
+                weights=weights)
     if not llm.tokenizer.has_chat_template:
         fail("this model has no chat template; use `hybridllm generate --no-chat` instead")
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []

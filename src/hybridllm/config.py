@@ -285,6 +285,7 @@ class KVConfig:
     kv_offload_percent: float | None = None
     vram_budget: int | str | None = None
     kv_threshold: float = 0.95
+    kv_adaptive: bool = True  # re-plan (shrink the hot window, decode on the host) instead of failing
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_STRATEGIES:

@@ -8,9 +8,9 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
+from dataclasses import replace
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,13 +18,25 @@ import torch
 
 from hybridllm.config import EngineConfig, KVConfig, SamplingParams
 from hybridllm.engine.generator import GenerationResult, Generator, StreamEvent
+from hybridllm.engine.migration import PhaseMigration
 from hybridllm.engine.metrics import ColdStart
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.dynamic import DynamicCache
 from hybridllm.kvcache.factory import create_cache
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
 from hybridllm.models.quantized import check_weights_mode, weights_format
+from hybridllm.placement.adaptive import AdaptivePolicy
+from hybridllm.placement.apply import (
+    TierDevices,
+    assign_tiers,
+    host_decode_model,
+    place_tied_head,
+    weight_bytes_per_tier,
+    weight_device_for,
+)
+from hybridllm.placement.placement import TIER_NAMES, Placement
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -41,8 +53,16 @@ class LLM:
         show_progress: progress bar while loading (default: on a terminal for large files).
         weights: "float" (dequantize to ``dtype``), "auto" (keep the file's 4/8-bit quantization
             where a kernel exists), "int8" or "int4" (see ``hybridllm.models.quantized``).
+            None: the placement file's choice, else "float".
+        placement: a :class:`~hybridllm.placement.Placement` or the path of one saved as JSON
+            (``--placement``): per-layer weight tiers, KV policy, decode tier.
+        n_gpu_layers: llama.cpp's ``-ngl``: the first N layers on ``device``, the rest on the host
+            (more than the model has is clamped with a warning).
+        decode_on: "device", or "host" for phase migration: prefill on ``device``, then the KV
+            moves to the host and decoding runs there on a host copy of the weights.
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
-            (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...).
+            (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
+            override a placement file's KV policy.
     """
 
     def __init__(
@@ -53,39 +73,60 @@ class LLM:
         threads: int | None = None,
         prefill_chunk: int = 512,
         show_progress: bool | None = None,
-        weights: str = "float",
+        weights: str | None = None,
+        placement: Placement | str | os.PathLike | None = None,
+        n_gpu_layers: int | None = None,
+        decode_on: str | None = None,
         **kv_options: Any,
     ) -> None:
-        check_weights_mode(weights)
+        if weights is not None:
+            check_weights_mode(weights)
         self.engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads)
         unknown = set(kv_options) - set(KVConfig.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"unknown LLM options: {', '.join(sorted(unknown))}")
-        self.kv_config = KVConfig(**kv_options)
+        if placement is not None and n_gpu_layers is not None:
+            raise ConfigError("give a placement file or --n-gpu-layers, not both")
+        if decode_on is not None and decode_on not in TIER_NAMES:
+            raise ConfigError(f"--decode-on must be 'device' or 'host', got {decode_on!r}")
         if threads is not None:
             torch.set_num_threads(threads)
         self.cold_start = ColdStart()
         self.checkpoint = open_checkpoint(model)
         self.config = self.checkpoint.config
-        device_obj = self.engine_config.torch_device
+        self.placement = resolve_placement(self.config.n_layers, placement, n_gpu_layers, decode_on, weights,
+                                           kv_options)
+        self.kv_config = self.placement.kv
+        weights = self.placement.weights
+        check_weights_mode(weights)
+        self.devices = TierDevices(self.engine_config.torch_device)
         self.model = load_model(
-            self.checkpoint, self.engine_config.torch_dtype, lambda _name: device_obj, self.cold_start, show_progress,
-            weights=weights,
+            self.checkpoint, self.engine_config.torch_dtype, weight_device_for(self.placement, self.devices),
+            self.cold_start, show_progress, weights=weights,
         )
+        place_tied_head(self.model, self.placement, self.devices)
+        assign_tiers(self.model, self.placement)
         self.weights_format = weights_format(self.model)
         t0 = time.perf_counter()
         self.tokenizer = self.checkpoint.tokenizer()
         self.cold_start.tokenizer_s = time.perf_counter() - t0
-        self.weight_bytes = _weight_bytes_per_tier(self.model, device_obj)
+        self.weight_bytes = weight_bytes_per_tier(self.model, self.placement)
+        self._migration: PhaseMigration | None = None
+        if self.placement.decode_on == "host":
+            t0 = time.perf_counter()
+            self.phase_migration()
+            self.cold_start.host_copy_s = time.perf_counter() - t0
         self._generator = Generator(
             self.model,
             self.tokenizer,
             self.new_cache,
-            device=device_obj,
+            device=self.devices.device,
             prefill_chunk=prefill_chunk,
             weight_bytes=self.weight_bytes,
             cold_start_s=self.cold_start.total_s,
             weights_format=self.weights_format,
+            migration=self._migration,
+            adaptive=AdaptivePolicy(self.phase_migration) if self.kv_config.kv_adaptive else None,
         )
 
     # ---- public API ---------------------------------------------------------------------
@@ -124,18 +165,38 @@ class LLM:
         ``ledger``: account the cache in this ledger (a server shares one across all its
         sequences); None gives the cache a fresh ledger with this engine's budgets.
         """
+        return create_cache(self.kv_config, self._kv_spec(), ledger if ledger is not None else self._kv_ledger(),
+                            layer_tiers=self.placement.layer_tiers)
+
+    def new_host_cache(self, ledger: MemoryLedger | None = None) -> DynamicCache:
+        """An empty cache with every layer's KV in host RAM (where decoding continues after
+        phase migration)."""
+        return DynamicCache(self._kv_spec(), ledger if ledger is not None else self._kv_ledger(),
+                            page_size=self.kv_config.kv_page_size, tier="host")
+
+    def phase_migration(self) -> PhaseMigration:
+        """Decoding on the host: a host copy of the device weights (made once) and host caches."""
+        if self._migration is None:
+            decode_model = host_decode_model(self.model, self.devices)
+            everything_on_host = Placement(layer_tiers=["host"] * self.config.n_layers, embed_tier="host",
+                                           head_tier="host")
+            self.weight_bytes["host"] = weight_bytes_per_tier(decode_model, everything_on_host)["host"]
+            self._migration = PhaseMigration(decode_model, self.new_host_cache)
+        return self._migration
+
+    # ---- internals ----------------------------------------------------------------------
+    def _kv_spec(self) -> KVSpec:
         cfg = self.config
-        spec = KVSpec(
+        return KVSpec(
             n_layers=cfg.n_layers,
             n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.engine_config.torch_dtype,
-            device=self.engine_config.torch_device,
+            device=self.devices.device,
+            host_device=self.devices.host,
             max_tokens=cfg.max_position_embeddings,
         )
-        return create_cache(self.kv_config, spec, ledger if ledger is not None else self._kv_ledger())
 
-    # ---- internals ----------------------------------------------------------------------
     def _kv_ledger(self) -> MemoryLedger:
         """The KV ledger: the device tier gets what the VRAM budget leaves after the weights."""
         budget = self.kv_config.vram_budget
@@ -150,18 +211,20 @@ class LLM:
         return MemoryLedger({"device": kv_budget}, threshold=self.kv_config.kv_threshold)
 
 
-def _weight_bytes_per_tier(model: torch.nn.Module, device: torch.device) -> dict[str, int]:
-    """Bytes of parameters on the compute device vs elsewhere (tied weights counted once).
-
-    Quantized weights are buffers (codes and scales): they count too; rotary tables do not.
-    """
-    out = {"device": 0, "host": 0}
-    seen: set[int] = set()
-    buffers = (b for name, b in model.named_buffers() if not name.startswith("rotary."))
-    for param in itertools.chain(model.parameters(), buffers):
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        tier = "device" if param.device == device else "host"
-        out[tier] += param.numel() * param.element_size()
-    return out
+def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | None, n_gpu_layers: int | None,
+                      decode_on: str | None, weights: str | None, kv_options: dict[str, Any]) -> Placement:
+    """The run's placement: a given one (object or JSON file), else ``-ngl``, else all on the
+    device; explicit ``decode_on``, ``weights`` and KV options override what it says."""
+    if placement is None:
+        if n_gpu_layers is None:
+            chosen = Placement.all_on_device(n_layers, weights="float")
+        else:
+            chosen = Placement.from_n_gpu_layers(n_layers, n_gpu_layers, weights="float")
+    elif isinstance(placement, Placement):
+        chosen = replace(placement)
+        if len(chosen.layer_tiers) != n_layers:
+            raise ConfigError(f"placement: {len(chosen.layer_tiers)} layer tiers for a model of {n_layers} layers")
+    else:
+        chosen = Placement.load(placement, n_layers)
+    kv = replace(chosen.kv, **kv_options) if kv_options else chosen.kv
+    return replace(chosen, kv=kv, decode_on=decode_on or chosen.decode_on, weights=weights or chosen.weights)

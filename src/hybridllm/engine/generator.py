@@ -10,9 +10,11 @@ import torch
 
 from hybridllm.config import SamplingParams
 from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, RequestTimer, synchronize
+from hybridllm.engine.migration import PhaseMigration
 from hybridllm.engine.sampling import Sampler
+from hybridllm.placement.adaptive import AdaptivePolicy
 from hybridllm.errors import ContextOverflowError
-from hybridllm.kvcache.base import KVCache
+from hybridllm.kvcache.base import KVBudgetError, KVCache
 from hybridllm.models.llama import LlamaForCausalLM
 
 
@@ -77,6 +79,22 @@ class StopStringMatcher:
         return best
 
 
+@dataclass
+class _Run:
+    """Where a request runs now: its cache and model change when it migrates to the host."""
+
+    cache: KVCache
+    model: LlamaForCausalLM
+    caches: list[KVCache]  # every cache the request used, the first one first
+    actions: list[str]  # what the adaptive policy did
+    reserve_tokens: int  # prompt + token budget
+    hop_bytes: int = 0  # hidden-state bytes that crossed tiers
+
+    def adopt(self, cache: KVCache, model: LlamaForCausalLM) -> None:
+        self.cache, self.model = cache, model
+        self.caches.append(cache)
+
+
 class Generator:
     """Runs requests on a loaded model.
 
@@ -87,6 +105,9 @@ class Generator:
         device: where the model's inputs go (its embedding's device).
         prefill_chunk: prompt tokens per prefill forward.
         weight_bytes: bytes of weights per tier, for the peak-memory figures.
+        migration: decode on the host after prefill (``--decode-on host``); None decodes where
+            the prefill ran.
+        adaptive: re-plans when a memory tier fills up during a request (None: never).
     """
 
     def __init__(
@@ -99,6 +120,8 @@ class Generator:
         weight_bytes: dict[str, int] | None = None,
         cold_start_s: float = 0.0,
         weights_format: str | None = None,
+        migration: PhaseMigration | None = None,
+        adaptive: AdaptivePolicy | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -109,6 +132,8 @@ class Generator:
         self.cold_start_s = cold_start_s
         self.weights_format = weights_format  # "int4", "int8", "float32", ... (None: not reported)
         self.host_memory = HostPeakMemory()
+        self.migration = migration
+        self.adaptive = adaptive
 
     @property
     def context_length(self) -> int:
@@ -131,9 +156,9 @@ class Generator:
         decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
         matcher = StopStringMatcher(params.stop)
         cache = self.cache_factory()
-        cache.reserve(len(prompt) + budget)
+        run = _Run(cache, self.model, [cache], [], len(prompt) + budget)
+        cache.reserve(run.reserve_tokens)
         self._reset_peaks(cache)
-        hop_start = self.model.hop_bytes
         timer = RequestTimer(self.device)
         history = torch.tensor(prompt, dtype=torch.long)
         generated: list[int] = []
@@ -141,7 +166,10 @@ class Generator:
         hit_stop_string = False
         try:
             with torch.inference_mode():
-                logits = self._prefill(prompt, cache)
+                self._relieve(run)
+                logits = self._prefill(prompt, run)
+                if self.migration is not None:
+                    run.adopt(self.migration.migrate(run.cache, run.reserve_tokens), self.migration.decode_model)
                 while True:
                     token = sampler(logits[0, -1], history if params.repetition_penalty != 1.0 else None)
                     timer.token()
@@ -160,17 +188,18 @@ class Generator:
                         break
                     if params.repetition_penalty != 1.0:
                         history = torch.cat([history, torch.tensor([token])])
-                    logits = self._forward([token], cache)
+                    logits = self._forward([token], run)
             if not hit_stop_string:
                 tail, _ = matcher.feed(decoder.flush())
                 tail += matcher.flush()
                 if tail:
                     yield StreamEvent(tail, None)
-            metrics = self._metrics(prompt, generated, timer, cache, hop_start)
+            metrics = self._metrics(prompt, generated, timer, run)
             text = matcher.text
             yield StreamEvent("", None, GenerationResult(text, generated, prompt, finish_reason, metrics))
         finally:
-            cache.reset()
+            for used in run.caches:
+                used.reset()
 
     # ---- internals ----------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int]) -> None:
@@ -186,16 +215,41 @@ class Generator:
         if bad:
             raise ContextOverflowError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
-    def _prefill(self, prompt: list[int], cache: KVCache) -> torch.Tensor:
+    def _prefill(self, prompt: list[int], run: _Run) -> torch.Tensor:
         logits = None
         for start in range(0, len(prompt), self.prefill_chunk):
-            logits = self._forward(prompt[start:start + self.prefill_chunk], cache)
+            logits = self._forward(prompt[start:start + self.prefill_chunk], run)
         return logits
 
-    def _forward(self, tokens: list[int], cache: KVCache) -> torch.Tensor:
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # (1, T)
-        logits = self.model(ids, cache, start_pos=cache.seq_length)  # (1, 1, vocab)
+    def _forward(self, tokens: list[int], run: _Run) -> torch.Tensor:
+        """One forward of ``tokens`` on the request's current model and cache, then re-plan if a
+        memory tier filled up."""
+        ids = torch.tensor([tokens], dtype=torch.long)  # (1, T); the model moves it to its embedding
+        start = run.cache.seq_length
+        try:
+            logits = self._run_model(ids, run, start)
+        except KVBudgetError:
+            if self.adaptive is None:
+                raise
+            run.cache.truncate(start)  # undo the layers that appended before the budget ran out
+            run.adopt(*self.adaptive.move_to_host(run.cache, run.reserve_tokens, run.actions,
+                                                  "device KV budget exhausted mid-step"))
+            logits = self._run_model(ids, run, start)
+        self._relieve(run)
         return logits.cpu()
+
+    @staticmethod
+    def _run_model(ids: torch.Tensor, run: _Run, start: int) -> torch.Tensor:
+        hops_before = run.model.hop_bytes
+        logits = run.model(ids, run.cache, start_pos=start)  # (1, 1, vocab)
+        run.hop_bytes += run.model.hop_bytes - hops_before
+        return logits
+
+    def _relieve(self, run: _Run) -> None:
+        if self.adaptive is not None:
+            cache, model = self.adaptive.relieve(run.cache, run.model, run.reserve_tokens, run.actions)
+            if cache is not run.cache:
+                run.adopt(cache, model)
 
     def _reset_peaks(self, cache: KVCache) -> None:
         self.host_memory.reset()
@@ -203,15 +257,15 @@ class Generator:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _metrics(self, prompt: list[int], generated: list[int], timer: RequestTimer, cache: KVCache,
-                 hop_start: int) -> dict[str, Any]:
+    def _metrics(self, prompt: list[int], generated: list[int], timer: RequestTimer, run: _Run) -> dict[str, Any]:
+        caches, cache = run.caches, run.caches[0]
         synchronize(self.device)
         if self.device.type == "cuda":
             peak_device = torch.cuda.max_memory_allocated(self.device)
         else:  # the CPU stands in for the device: report what the engine placed on the device tier
             peak_device = self.weight_bytes["device"] + cache.ledger.peak("device")
-        bus = dict(cache.bus_bytes)
-        bus["hidden_states"] = self.model.hop_bytes - hop_start
+        bus = {direction: sum(c.bus_bytes[direction] for c in caches) for direction in ("h2d", "d2h")}
+        bus["hidden_states"] = run.hop_bytes
         record = RequestMetrics(
             cold_start_s=self.cold_start_s,
             prompt_tokens=len(prompt),
@@ -224,7 +278,10 @@ class Generator:
                 "kv_cache": cache.name,
                 "kv_bytes": cache.bytes_per_tier(),
                 "kv_peak_bytes": cache.peak_bytes_per_tier(),
-                "kv_pages_moved": cache.pages_moved,
+                "kv_pages_moved": sum(c.pages_moved for c in caches),
+                "decode_on": "device" if len(caches) == 1 else "host",
+                "migration_bytes": sum(c.bus_bytes["d2h"] for c in caches[1:]),
+                "adaptive_actions": list(run.actions),
                 "bus_bytes": sum(bus.values()),
                 "bus_bytes_detail": bus,
                 "weight_bytes": dict(self.weight_bytes),

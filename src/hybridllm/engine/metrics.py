@@ -76,11 +76,13 @@ class ColdStart:
     dequantize_s: float = 0.0  # file format -> compute dtype
     to_device_s: float = 0.0  # host RAM -> the weights' devices
     tokenizer_s: float = 0.0
+    host_copy_s: float = 0.0  # --decode-on host: the host copy of the device weights
+    compile_s: float = 0.0  # speed transforms (fusing, torch.compile warm-up)
     bytes_read: int = 0
 
     @property
     def total_s(self) -> float:
-        return self.read_s + self.dequantize_s + self.to_device_s + self.tokenizer_s
+        return self.read_s + self.dequantize_s + self.to_device_s + self.tokenizer_s + self.host_copy_s + self.compile_s
 
     def to_dict(self) -> dict[str, float]:
         out = asdict(self)

@@ -232,7 +232,12 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._bus_done = {"h2d": 0, "d2h": 0}  # bus bytes of caches already freed
-        self._hop_start = self.model.hop_bytes
+        # --decode-on host: each sequence's KV moves to the host when its prompt is done, and
+        # every decode step runs on the host copy of the weights
+        self.migration = llm.phase_migration() if llm.placement.decode_on == "host" else None
+        self.decode_model = self.migration.decode_model if self.migration is not None else self.model
+        self._models = list({id(m): m for m in (self.model, self.decode_model)}.values())
+        self._hop_start = sum(m.hop_bytes for m in self._models)
         self.steps = 0
         self.decode_batch_sizes: collections.Counter[int] = collections.Counter()
 
@@ -356,7 +361,7 @@ class Scheduler:
             if cache is not None:
                 for direction, n in cache.bus_bytes.items():
                     bus[direction] = bus.get(direction, 0) + n
-        bus["hidden_states"] = self.model.hop_bytes - self._hop_start
+        bus["hidden_states"] = sum(m.hop_bytes for m in self._models) - self._hop_start
         page_bytes = self.page_size * self.token_bytes
         kv_bytes = {tier: self.ledger.current(tier) for tier in TIERS}
         return {
@@ -471,11 +476,11 @@ class Scheduler:
             if len(batch) == 1:  # exactly the single-request generator's call
                 cache = batch[0].cache
                 ids = torch.tensor([[batch[0].pending]], dtype=torch.long, device=self.device)  # (1, 1)
-                logits = self.model(ids, cache, start_pos=cache.seq_length)  # (1, 1, vocab)
+                logits = self.decode_model(ids, cache, start_pos=cache.seq_length)  # (1, 1, vocab)
             else:
                 caches = BatchedCaches([seq.cache for seq in batch])
                 ids = torch.tensor([[seq.pending] for seq in batch], dtype=torch.long, device=self.device)  # (B, 1)
-                logits = self.model(ids, caches, start_pos=caches.start_positions())  # (B, 1, vocab)
+                logits = self.decode_model(ids, caches, start_pos=caches.start_positions())  # (B, 1, vocab)
             logits = logits.cpu()
         except Exception as exc:
             logger.exception("batched decode failed")
@@ -507,11 +512,20 @@ class Scheduler:
                 continue
             seq.prefilled = end
             if end == len(seq.prompt_ids):
+                if self.migration is not None:
+                    self._migrate(seq)
                 self.observer.on_prompt_done(seq)
                 self._sample(seq, logits[0, -1])
             if used >= budget:
                 break
         return used
+
+    def _migrate(self, seq: SequenceState) -> None:
+        """Move a prefilled sequence's KV to the host, where it decodes (``--decode-on host``)."""
+        prefill_cache = seq.cache
+        seq.cache = self.migration.migrate(prefill_cache, len(seq.prompt_ids) + seq.max_new_tokens)
+        for direction, n in prefill_cache.bus_bytes.items():
+            self._bus_done[direction] += n
 
     def _sample(self, seq: SequenceState, logits: torch.Tensor) -> None:
         """Pick the next token and apply the generator's stop rules in the generator's order."""

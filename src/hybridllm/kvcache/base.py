@@ -143,6 +143,12 @@ class KVCache(ABC):
         """
 
     @abstractmethod
+    def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached key and value of a layer in position order: (B, Hkv, length, D) each, in
+        the compute dtype (quantized tokens dequantized), on whatever device holds them. Used to
+        move a cache elsewhere (phase migration); attention never needs it."""
+
+    @abstractmethod
     def _release_from(self, length: int) -> None:
         """Drop storage of every token at position >= ``length`` in every layer (and free it)."""
 
@@ -154,6 +160,10 @@ class KVCache(ABC):
 
     def length(self, layer_idx: int) -> int:
         return self._lengths[layer_idx]
+
+    def host_tokens(self, layer_idx: int) -> int:
+        """Tokens of a layer whose KV is held in the host tier (the rest is on the device)."""
+        return 0
 
     def reserve(self, n_tokens: int) -> None:
         """Hint that up to ``n_tokens`` will be cached, so storage can be allocated once."""

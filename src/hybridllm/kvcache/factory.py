@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hybridllm.config import KVConfig
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
@@ -9,16 +11,23 @@ from hybridllm.kvcache.dynamic import DynamicCache
 from hybridllm.kvcache.host import HostCache
 from hybridllm.kvcache.offloaded import OffloadedCache
 from hybridllm.kvcache.quantized import QuantizedCache
+from hybridllm.kvcache.split import SplitCache
 from hybridllm.kvcache.tiered import TieredCache
 
 
-def create_cache(config: KVConfig, spec: KVSpec, ledger: MemoryLedger | None = None) -> KVCache:
+def create_cache(config: KVConfig, spec: KVSpec, ledger: MemoryLedger | None = None,
+                 layer_tiers: Sequence[str] | None = None) -> KVCache:
     """A fresh, empty cache of the strategy ``config.kv_cache``.
 
     Without a ``ledger``, one is made from ``config.vram_budget`` (the whole budget goes to KV).
+    ``layer_tiers`` ("device"/"host" per layer, from a placement): layers on the host keep their
+    KV in host RAM (:class:`~hybridllm.kvcache.split.SplitCache`); None means every layer on the device.
     """
     if ledger is None:
         ledger = MemoryLedger({"device": config.vram_budget}, threshold=config.kv_threshold)
+    if layer_tiers is not None and any(tier != "device" for tier in layer_tiers):
+        return SplitCache(spec, layer_tiers, ledger, lambda part_spec, part_ledger: create_cache(config, part_spec, part_ledger),
+                          page_size=config.kv_page_size)
     strategy = config.kv_cache
     if strategy == "dynamic":
         return DynamicCache(spec, ledger, page_size=config.kv_page_size)

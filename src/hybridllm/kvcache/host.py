@@ -39,6 +39,13 @@ class HostResidentCache(KVCache):
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"device": [], "host": [t for store in self._stores for t in store.tensors()]}
 
+    def host_tokens(self, layer_idx: int) -> int:
+        return self.length(layer_idx)
+
+    def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        transfer.synchronize(self.spec.device)  # pending write-backs land first
+        return self._stores[layer_idx].read()
+
     def _release_from(self, length: int) -> None:
         transfer.synchronize(self.spec.device)  # pending copies into host buffers land first
         for store in self._stores:

@@ -76,6 +76,11 @@ class QuantizedCache(KVCache):
         recent.truncate(0)
         recent.append(tail_k[:, :, n_move:], tail_v[:, :, n_move:])
 
+    def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        packed_k, packed_v = self._packed[layer_idx].read()  # dequantized, oldest tokens
+        recent_k, recent_v = self._recent[layer_idx].read()
+        return torch.cat([packed_k, recent_k], dim=2), torch.cat([packed_v, recent_v], dim=2)
+
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         stores = [*self._packed, *self._recent]
         return {"device": [t for store in stores for t in store.tensors()], "host": []}

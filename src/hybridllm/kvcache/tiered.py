@@ -69,15 +69,11 @@ class TieredCache(KVCache):
         self.page_size, self.hot_window, self.sink_tokens = page_size, hot_window, sink_tokens
         self.cold_bits, self.offload_percent = cold_bits, offload_percent
         n = spec.n_layers
+        self._cold_group = token_group(page_size, group_size)  # tokens per key group of quantized pages
         self._tables = [PageTable(page_size, sink_tokens) for _ in range(n)]
         self._hot = [DenseKV(self.ledger, "device", spec.device, spec, granule=page_size) for _ in range(n)]
         self._cold: list[TokenStore]
-        if cold_bits == 16:
-            self._cold = [DenseKV(self.ledger, "host", spec.host_device, spec, granule=page_size) for _ in range(n)]
-        else:
-            group = token_group(page_size, group_size)
-            self._cold = [QuantizedKV(self.ledger, "host", spec.host_device, spec, cold_bits, group, page_size)
-                          for _ in range(n)]
+        self._cold = [self._new_cold_store(cold_bits) for _ in range(n)]
 
     # ---- the contract -------------------------------------------------------------------
     def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
@@ -107,6 +103,37 @@ class TieredCache(KVCache):
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"device": [t for store in self._hot for t in store.tensors()],
                 "host": [t for store in self._cold for t in store.tensors()]}
+
+    def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sinks, then the cold pages (moved to the device), then the newest hot tokens."""
+        hot, cold = self._hot[layer_idx], self._cold[layer_idx]
+        sinks = self._tables[layer_idx].sinks_held
+        hot_k, hot_v = hot.read()
+        cold_k, cold_v = (t.to(hot_k.device) for t in cold.read())
+        keys = torch.cat([hot_k[:, :, :sinks], cold_k, hot_k[:, :, sinks:]], dim=2)  # (B, Hkv, length, D)
+        values = torch.cat([hot_v[:, :, :sinks], cold_v, hot_v[:, :, sinks:]], dim=2)
+        return keys, values
+
+    def quantize_cold(self, bits: int) -> None:
+        """Re-encode every cold page with ``bits`` (8 or 4) from now on (host memory pressure)."""
+        if bits not in (8, 4) or bits >= self.cold_bits:
+            raise ValueError(f"cold pages can only be quantized to fewer bits than {self.cold_bits}, got {bits}")
+        self.cold_bits = bits
+        for layer_idx, old in enumerate(self._cold):
+            new = self._new_cold_store(bits)
+            if old.length:
+                new.append(*old.read())
+            old.release()
+            self._cold[layer_idx] = new
+
+    def _new_cold_store(self, bits: int) -> TokenStore:
+        spec = self.spec
+        if bits == 16:
+            return DenseKV(self.ledger, "host", spec.host_device, spec, granule=self.page_size)
+        return QuantizedKV(self.ledger, "host", spec.host_device, spec, bits, self._cold_group, self.page_size)
+
+    def host_tokens(self, layer_idx: int) -> int:
+        return self.cold_tokens(layer_idx)
 
     def hot_tokens(self, layer_idx: int) -> int:
         """Tokens of a layer on the device (sinks included)."""

@@ -80,7 +80,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderStack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
-        self.hop_bytes = 0  # bytes of hidden states moved between devices (layer boundaries)
+        self.hop_bytes = 0  # bytes of hidden states moved between tiers (layer boundaries)
+        # Memory tier ("device"/"host") of the embedding, each layer and the head, set by the
+        # placement: a hop is counted where the tier changes even when the CPU plays the device.
+        self.embed_tier = self.head_tier = "device"
+        self.layer_tiers = ["device"] * config.n_layers
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -106,22 +110,24 @@ class LlamaForCausalLM(nn.Module):
         starts = torch.as_tensor(start_pos).reshape(-1, 1)  # (B or 1, 1)
         positions = starts + torch.arange(seq)  # (B or 1, T)
         tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self.model.layers:
+        tier = self.embed_tier
+        for layer, layer_tier in zip(self.model.layers, self.layer_tiers):
             device = layer.input_layernorm.weight.device
-            x = self._hop(x, device)
+            x = self._hop(x, device, tier != layer_tier)
+            tier = layer_tier
             if device not in tables:
                 cos, sin = self.rotary.cos_sin(positions, x.dtype)
                 tables[device] = (cos.to(device), sin.to(device))
             x = layer(x, *tables[device], cache)
-        x = self._hop(x, self.model.norm.weight.device)
         if not all_logits:
             x = x[:, -1:, :]
+        x = self._hop(x, self.model.norm.weight.device, tier != self.head_tier)
         x = self.model.norm(x)
-        x = self._hop(x, self.lm_head.weight.device)
+        x = self._hop(x, self.lm_head.weight.device, False)  # the norm and the head share a tier
         return self.lm_head(x).float()
 
-    def _hop(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if x.device == device:
-            return x
-        self.hop_bytes += x.numel() * x.element_size()
-        return x.to(device)
+    def _hop(self, x: torch.Tensor, device: torch.device, crosses_tiers: bool) -> torch.Tensor:
+        """``x`` on ``device``; its bytes count as moved when it changes device or tier."""
+        if crosses_tiers or x.device != device:
+            self.hop_bytes += x.numel() * x.element_size()
+        return x if x.device == device else x.to(device)

@@ -33,7 +33,7 @@ def make_serve_command(cli: ModuleType) -> Callable[..., None]:
         prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill chunk, and per scheduler step.")] = 512,
         served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id in the API (default: the checkpoint's name).")] = None,
         log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
-        weights: Annotated[str, typer.Option("--weights", help="float (dequantize to --dtype), auto (keep the file's 4/8-bit where a kernel exists), int8 or int4.")] = "float",
+        weights: cli.PlacedWeightsOpt = None,
         dtype: cli.DtypeOpt = "float32",
         device: cli.DeviceOpt = "cpu",
         threads: cli.ThreadsOpt = None,
@@ -46,10 +46,14 @@ def make_serve_command(cli: ModuleType) -> Callable[..., None]:
         kv_residual: cli.KVResidualOpt = 128,
         kv_offload_percent: cli.KVOffloadOpt = None,
         vram_budget: cli.VramOpt = None,
+        n_gpu_layers: cli.NGLOpt = None,
+        decode_on: cli.DecodeOnOpt = None,
+        placement: cli.PlacementOpt = None,
     ) -> None:
         """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
         kv = cli._kv_options(kv_cache, kv_page_size, kv_hot_window, kv_sink_tokens, kv_cold_bits, kv_bits,
                              kv_residual, kv_offload_percent, vram_budget)
+        kv = cli.placement_options(n_gpu_layers, decode_on, placement, kv)
         run_server(model=model, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
                    host_budget=host_budget, prefill_chunk=prefill_chunk, served_model_name=served_model_name,
                    log_level=log_level, weights=weights, dtype=dtype, device=device, threads=threads, kv=kv)
@@ -59,9 +63,11 @@ def make_serve_command(cli: ModuleType) -> Callable[..., None]:
 
 def run_server(*, model: Any, host: str, port: int, api_key: str | None, max_batch: int, max_queue: int,
                host_budget: str | None, prefill_chunk: int, served_model_name: str | None, log_level: str,
-               weights: str, dtype: str, device: str, threads: int | None, kv: dict[str, Any]) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
-    from hybridllm.config import EngineConfig, KVConfig, parse_bytes
+               weights: str | None, dtype: str, device: str, threads: int | None, kv: dict[str, Any]) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API with continuous batching.
+
+    ``kv``: the ``LLM`` keyword arguments of the KV and placement flags."""
+    from hybridllm.config import EngineConfig, parse_bytes
 
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
@@ -71,7 +77,6 @@ def run_server(*, model: Any, host: str, port: int, api_key: str | None, max_bat
         raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
     host_bytes = parse_bytes(host_budget)
     EngineConfig(device=device, dtype=dtype, threads=threads, prefill_chunk=prefill_chunk)  # fail before loading
-    KVConfig(**kv)
 
     import uvicorn
 
@@ -84,5 +89,6 @@ def run_server(*, model: Any, host: str, port: int, api_key: str | None, max_bat
     scheduler = Scheduler(llm, max_batch=max_batch, max_queue=max_queue, host_budget=host_bytes)
     app = create_app(scheduler, model_name=served_model_name, api_key=api_key)
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
-               f"KV {scheduler.kv_strategy})", err=True)
+               f"KV {scheduler.kv_strategy}, {llm.placement.n_gpu_layers}/{llm.config.n_layers} layers on the "
+               f"device, decode on the {llm.placement.decode_on})", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

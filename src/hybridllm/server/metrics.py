@@ -172,14 +172,16 @@ class _EngineCollector(Collector):
             g.add_metric([name, tier], n)
         yield g
         device = llm.engine_config.torch_device
-        on_device = sum(1 for layer in llm.model.model.layers if layer.input_layernorm.weight.device == device)
+        on_device = llm.placement.n_gpu_layers
         g = gauge("placement_layers", "Decoder layers whose weights are on each tier.", ["tier"])
         g.add_metric([name, "device"], on_device)
         g.add_metric([name, "host"], len(llm.model.model.layers) - on_device)
         yield g
         g = gauge("placement_info", "The current placement (value 1; the labels describe it).",
-                  ["device", "dtype", "weights", "kv_cache", "kv_page_size", "max_batch", "prefill_chunk"])
+                  ["device", "dtype", "weights", "kv_cache", "kv_page_size", "max_batch", "prefill_chunk",
+                   "n_gpu_layers", "decode_on"])
         weights_format = getattr(llm, "weights_format", None) or llm.engine_config.dtype
         g.add_metric([name, str(device), llm.engine_config.dtype, str(weights_format), s.kv_strategy,
-                      str(s.page_size), str(s.max_batch), str(s.prefill_chunk)], 1)
+                      str(s.page_size), str(s.max_batch), str(s.prefill_chunk), str(on_device),
+                      llm.placement.decode_on], 1)
         yield g
