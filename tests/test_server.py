@@ -396,3 +396,44 @@ def test_api_key_full_queue_and_kv_budget_in_process(default_llm):
         text = httpx.get(f"{base}/metrics").text
         assert re.search(r'hybridllm:request_rejected_total\{[^}]*reason="queue_full"\} 1\.0', text)
         assert re.search(r'hybridllm:request_rejected_total\{[^}]*reason="kv_budget"\} 1\.0', text)
+
+
+# ---- placement flags on serve ---------------------------------------------------------------------
+def test_serve_with_a_split_placement_and_host_decode(tiny_models, tmp_path):
+    from hybridllm import LLM, SamplingParams
+
+    folder = tiny_models["llama"][0]
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridllm.cli", "serve", "--model", str(folder), "--port", str(port),
+         "-ngl", "1", "--decode-on", "host", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        prompts = ["The quick brown fox", "Paris is", "hello world"]
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(lambda p: client.completions.create(model=model, prompt=p, max_tokens=8,
+                                                                     temperature=0).choices[0].text, prompts))
+        engine = LLM(model=folder)
+        params = SamplingParams(max_tokens=8, temperature=0)
+        assert texts == [engine.generate(p, params).text for p in prompts]
+        text = httpx.get(f"{base}/metrics").text
+        assert re.search(r'hybridllm:placement_info\{[^}]*decode_on="host"[^}]*n_gpu_layers="1"', text) or \
+            re.search(r'hybridllm:placement_info\{[^}]*n_gpu_layers="1"[^}]*decode_on="host"', text), text
+        assert re.search(r'hybridllm:placement_layers\{[^}]*tier="host"\} 1\.0', text)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"layer_tiers": 3}')
+    done = subprocess.run([sys.executable, "-m", "hybridllm.cli", "serve", "--model", str(folder), "--placement",
+                           str(bad)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "placement" in done.stderr
