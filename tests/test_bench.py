@@ -308,3 +308,29 @@ def test_llama_cpp_peer_same_method(tiny_gguf, tiny_config_json):
     assert row["status"] == "ok", row["error"]
     assert row["prompt_tokens"] == 12 and row["generated_tokens"] == 3
     assert row["decode_tps"] > 0
+
+
+def test_speed_preset_and_ratio_and_bandwidth_columns():
+    settings = resolve("speed")
+    assert settings["contexts"] == [16, 512, 1500, 8064]
+    assert settings["baselines"] == ["llama.cpp", "transformers"]
+    assert settings["new_tokens"] == 128 and settings["weights"] == "auto"
+    assert resolve("speed", contexts=[64])["contexts"] == [64]  # flags still override the preset
+    ours = dict(engine="hybridllm", context=512, status="ok", decode_tps=60.0, prefill_tps=900.0,
+                weights_format="int4", weight_bytes={"device": 90_000_000, "host": 0},
+                kv_bytes={"device": 10_000_000, "host": None})
+    peer = dict(engine="llama.cpp", context=512, status="ok", decode_tps=120.0, prefill_tps=300.0,
+                weight_bytes={"device": None, "host": None}, kv_bytes={"device": None, "host": None})
+    failed = dict(engine="transformers", context=512, status="oom", decode_tps=None, prefill_tps=None)
+    records = report.speed_records([peer, failed, ours], bandwidth_gbs=20.0)
+    assert [r["engine"] for r in records] == ["hybridllm", "llama.cpp"]  # ok rows only, ours first
+    mine, theirs = records
+    assert mine["decode_ratio"] == pytest.approx(0.5) and mine["prefill_ratio"] == pytest.approx(3.0)
+    assert mine["bytes_per_token"] == 100_000_000
+    assert mine["limit_tps"] == pytest.approx(200.0)  # 20e9 B/s / 1e8 B per token
+    assert mine["limit_fraction"] == pytest.approx(0.3)
+    assert theirs["decode_ratio"] == pytest.approx(1.0) and theirs["limit_fraction"] is None
+    text = report.speed_markdown([peer, ours], bandwidth_gbs=20.0)
+    assert "| 512 | hybridllm (int4) | 900.0 | 60.0 | 0.50x | 3.00x | " in text
+    assert "30 %" in text
+    assert report.speed_records([ours], bandwidth_gbs=None)[0]["limit_fraction"] is None

@@ -227,7 +227,8 @@ def test_auto_keeps_the_file_quantization(tiny_quantized, qtype, expected):
     from hybridllm import LLM
 
     path = tiny_quantized[qtype]
-    quant, ref = LLM(path, weights="auto"), LLM(path, weights="float")
+    # fuse=False: this test looks at the loader's per-projection modules
+    quant, ref = LLM(path, weights="auto", fuse=False), LLM(path, weights="float", fuse=False)
     assert quant.weights_format == expected and ref.weights_format == "float32"
     attn = quant.model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, Int4Linear if expected == "int4" else Int8Linear)
@@ -261,7 +262,7 @@ def test_hf_folder_requantized(tiny_models, mode):
     from hybridllm import LLM
 
     folder = tiny_models["qwen2"][0]  # q/k/v biases
-    quant, ref = LLM(folder, weights=mode), LLM(folder)
+    quant, ref = LLM(folder, weights=mode, fuse=False), LLM(folder, fuse=False)
     assert quant.weights_format == mode
     assert quant.model.model.layers[0].self_attn.q_proj.bias is not None
     ids = list(range(5, 30))
@@ -288,7 +289,7 @@ def test_q4_k_file_loads_as_int4(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_writer, "QUANT_TYPES", (*gguf_writer.QUANT_TYPES, "Q4_K"))
     monkeypatch.setitem(gguf_writer.GGUF_FILE_TYPES, "Q4_K", 15)
     path = save_as_gguf(folder, tmp_path / "q4k.gguf", "Q4_K")
-    quant, ref = LLM(path, weights="auto"), LLM(path, weights="float")
+    quant, ref = LLM(path, weights="auto", fuse=False), LLM(path, weights="float", fuse=False)
     assert quant.checkpoint.tensors["blk.0.attn_q.weight"].type_name == "Q4_K"
     assert quant.weights_format == "int4"
     w, w_ref = quant.model.model.layers[1].self_attn.k_proj.dequantize(), ref.model.model.layers[1].self_attn.k_proj.weight

@@ -68,6 +68,8 @@ PlacedWeightsOpt = Annotated[Optional[str], typer.Option("--weights", help="Weig
 NGLOpt = Annotated[Optional[int], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device (the first N; the rest on the host), like llama.cpp.")]
 DecodeOnOpt = Annotated[Optional[str], typer.Option("--decode-on", help="device, or host: prefill on the device, then move the KV to the host and decode there.")]
 PlacementOpt = Annotated[Optional[Path], typer.Option("--placement", help="Placement JSON file (per-layer tiers, KV policy, decode tier; `hybridllm plan --json` writes one).")]
+FuseOpt = Annotated[bool, typer.Option("--fuse/--no-fuse", help="Stack q/k/v and gate/up into one projection each (fewer operator calls per token).")]
+CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the decode step's dense parts (compile time counts in the cold start).")]
 KVAdaptiveOpt = Annotated[bool, typer.Option("--kv-adaptive/--no-kv-adaptive", help="When device KV fills up mid-request, shrink the hot window or move decoding to the host instead of failing.")]
 
 
@@ -143,6 +145,8 @@ def generate(
     n_gpu_layers: NGLOpt = None,
     decode_on: DecodeOnOpt = None,
     placement: PlacementOpt = None,
+    fuse: FuseOpt = True,
+    compile: CompileOpt = False,
 ) -> None:
     """Generate a completion and report what each phase cost."""
     from hybridllm.config import SamplingParams
@@ -157,7 +161,8 @@ def generate(
     )
     kv = _kv_options(kv_cache, kv_page_size, kv_hot_window, kv_sink_tokens, kv_cold_bits, kv_bits, kv_residual,
                      kv_offload_percent, vram_budget, kv_adaptive)
-    llm = _load(model, device, dtype, threads, placement_options(n_gpu_layers, decode_on, placement, kv),
+    llm = _load(model, device, dtype, threads,
+                {**placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse, "compile": compile},
                 weights=weights)
     use_chat = llm.tokenizer.has_chat_template if chat is None else chat
     request = [{"role": "user", "content": prompt}] if use_chat else prompt
@@ -201,13 +206,16 @@ def chat(
     n_gpu_layers: NGLOpt = None,
     decode_on: DecodeOnOpt = None,
     placement: PlacementOpt = None,
+    fuse: FuseOpt = True,
+    compile: CompileOpt = False,
 ) -> None:
     """Interactive chat that streams tokens. /reset clears the history, /exit (or Ctrl-D) quits."""
     from hybridllm.config import KVConfig, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     kv = {k: v for k, v in vars(KVConfig(kv_cache=kv_cache, vram_budget=vram_budget)).items()}
-    llm = _load(model, device, dtype, threads, placement_options(n_gpu_layers, decode_on, placement, kv),
+    llm = _load(model, device, dtype, threads,
+                {**placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse, "compile": compile},
                 weights=weights)
     if not llm.tokenizer.has_chat_template:
         fail("this model has no chat template; use `hybridllm generate --no-chat` instead")

@@ -19,6 +19,7 @@ import torch
 from hybridllm.config import EngineConfig, KVConfig, SamplingParams
 from hybridllm.engine.generator import GenerationResult, Generator, StreamEvent
 from hybridllm.engine.migration import PhaseMigration
+from hybridllm.engine.speed import apply_speed_transforms
 from hybridllm.engine.metrics import ColdStart
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
@@ -60,6 +61,10 @@ class LLM:
             (more than the model has is clamped with a warning).
         decode_on: "device", or "host" for phase migration: prefill on ``device``, then the KV
             moves to the host and decoding runs there on a host copy of the weights.
+        fuse: stack q/k/v and gate/up into one projection each (fewer operator calls per token;
+            see ``hybridllm.models.fuse``).
+        compile: ``torch.compile`` the layers' dense parts for decode steps; the compile runs
+            in a warm-up step at load and counts in the cold start.
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -77,6 +82,8 @@ class LLM:
         placement: Placement | str | os.PathLike | None = None,
         n_gpu_layers: int | None = None,
         decode_on: str | None = None,
+        fuse: bool = True,
+        compile: bool = False,
         **kv_options: Any,
     ) -> None:
         if weights is not None:
@@ -106,6 +113,9 @@ class LLM:
         )
         place_tied_head(self.model, self.placement, self.devices)
         assign_tiers(self.model, self.placement)
+        self._speed = {"fuse": fuse, "compile": compile}
+        apply_speed_transforms(self.model, **self._speed)
+        self.cold_start.compile_s = self.model.speed_report.seconds
         self.weights_format = weights_format(self.model)
         t0 = time.perf_counter()
         self.tokenizer = self.checkpoint.tokenizer()
@@ -128,6 +138,8 @@ class LLM:
             migration=self._migration,
             adaptive=AdaptivePolicy(self.phase_migration) if self.kv_config.kv_adaptive else None,
         )
+        if compile:
+            self._warm_up()
 
     # ---- public API ---------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerationResult:
@@ -177,7 +189,7 @@ class LLM:
     def phase_migration(self) -> PhaseMigration:
         """Decoding on the host: a host copy of the device weights (made once) and host caches."""
         if self._migration is None:
-            decode_model = host_decode_model(self.model, self.devices)
+            decode_model = apply_speed_transforms(host_decode_model(self.model, self.devices), **self._speed)
             everything_on_host = Placement(layer_tiers=["host"] * self.config.n_layers, embed_tier="host",
                                            head_tier="host")
             self.weight_bytes["host"] = weight_bytes_per_tier(decode_model, everything_on_host)["host"]
@@ -185,6 +197,13 @@ class LLM:
         return self._migration
 
     # ---- internals ----------------------------------------------------------------------
+    def _warm_up(self) -> None:
+        """One short request, so torch.compile's compile lands in the cold start, not in TTFT."""
+        t0 = time.perf_counter()
+        self._generator.generate([0, 0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        self.cold_start.compile_s += time.perf_counter() - t0
+        self._generator.cold_start_s = self.cold_start.total_s
+
     def _kv_spec(self) -> KVSpec:
         cfg = self.config
         return KVSpec(

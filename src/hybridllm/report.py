@@ -41,7 +41,10 @@ def print_metrics(metrics: dict[str, Any], cold_start: ColdStart | None = None, 
     if cold_start is not None:
         table.add_row("cold start", f"{_seconds(cold_start.total_s)} (read {_seconds(cold_start.read_s)}, "
                       f"dequantize {_seconds(cold_start.dequantize_s)}, to device {_seconds(cold_start.to_device_s)}, "
-                      f"tokenizer {_seconds(cold_start.tokenizer_s)})")
+                      f"tokenizer {_seconds(cold_start.tokenizer_s)}"
+                      + (f", host copy {_seconds(cold_start.host_copy_s)}" if cold_start.host_copy_s else "")
+                      + (f", speed transforms {_seconds(cold_start.compile_s)}" if cold_start.compile_s else "")
+                      + ")")
     table.add_row("prompt tokens", str(metrics["prompt_tokens"]))
     table.add_row("generated tokens", str(metrics["generated_tokens"]))
     table.add_row("TTFT", _seconds(metrics["ttft_s"]))

@@ -56,7 +56,7 @@ def bench(
     n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", help="Layers on the device, comma-separated (also passed to llama.cpp).")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Peers measured the same way, comma-separated: llama.cpp,transformers (or none).")] = None,
     repeat: Annotated[Optional[int], typer.Option("--repeat", "-r", help="Measured runs per configuration (median and spread reported).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's) or peers (vs llama.cpp and transformers).")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers) or speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Write the plots as one PNG.")] = None,
@@ -116,6 +116,8 @@ def bench(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     EngineConfig(device=device, dtype=dtype, threads=threads, prefill_chunk=prefill_chunk)
     kv_options = _parse_kv_options(kv_opt, vram_budget)
+    if weights is None:
+        weights = settings.get("weights")  # a preset's choice (--preset speed: auto)
     if weights is not None:
         try:
             from hybridllm.models.quantized import check_weights_mode
@@ -142,8 +144,14 @@ def bench(
     report.print_summary(rows)
     if preset == "paper":
         report.print_table(report.PAPER_HEADERS, report.paper_records(rows), title="the study's layout")
+    bandwidth_gbs = None
+    if preset == "speed":
+        from hybridllm.placement.probe import measure_host_bandwidth
+
+        bandwidth_gbs = measure_host_bandwidth(threads=threads)["read"]  # after the sweep: nothing else runs
+        report.print_speed(rows, bandwidth_gbs)
     recorded = {**settings, "preset": preset, "timeout_s": timeout, "threads": threads, "device": device,
-                "dtype": dtype, "kv_options": kv_options, "weights": weights, "command": shlex.join(["hybridllm", *sys.argv[1:]])}
+                "dtype": dtype, "kv_options": kv_options, "weights": weights, "host_read_gbs": bandwidth_gbs, "command": shlex.join(["hybridllm", *sys.argv[1:]])}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
     if csv_out is not None:
@@ -152,6 +160,8 @@ def bench(
         text = report.summary_markdown(rows)
         if preset == "paper":
             text = report.paper_markdown(rows) + "\n\n" + text
+        if preset == "speed":
+            text = report.speed_markdown(rows, bandwidth_gbs) + "\n\n" + text
         markdown_out.expanduser().parent.mkdir(parents=True, exist_ok=True)
         markdown_out.write_text(text + "\n")
     if plot_out is not None:

@@ -24,6 +24,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "new_tokens": 128,
         "repeat": 1,
     },
+    # Decode/prefill speed vs the peers on the default model with its quantization kept (issue 8);
+    # the report adds the ratio to llama.cpp and the fraction of the bandwidth limit reached.
+    "speed": {
+        "contexts": [16, 512, 1500, 8064],  # 8064 + 128 new tokens = the default model's 8K window
+        "kv_caches": ["dynamic"],
+        "decode_ons": [None],
+        "baselines": ["llama.cpp", "transformers"],
+        "new_tokens": 128,
+        "repeat": 3,
+        "weights": "auto",
+    },
 }
 
 DEFAULTS: dict[str, Any] = {

@@ -224,3 +224,84 @@ def paper_records(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 def paper_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return markdown(PAPER_HEADERS, paper_records(rows))
+
+
+# ---- the speed layout (--preset speed) -------------------------------------------------------------
+SPEED_HEADERS = ("context", "engine", "prefill tok/s", "decode tok/s", "decode vs llama.cpp", "prefill vs llama.cpp",
+                 "bytes/token", "bandwidth limit tok/s", "of the limit")
+
+
+def bytes_per_token(row: dict[str, Any]) -> int | None:
+    """Bytes a decode step reads: every weight once plus the whole KV cache.
+
+    The KV term is the cache's ledger at the end of the run (context + new tokens, an upper
+    bound of what a step reads); None when the row does not report its weight bytes.
+    """
+    weights = row.get("weight_bytes") or {}
+    if weights.get("device") is None and weights.get("host") is None:
+        return None
+    kv = row.get("kv_bytes") or {}
+    return sum(v or 0 for v in weights.values()) + sum(v or 0 for v in kv.values())
+
+
+def speed_records(rows: Sequence[dict[str, Any]], bandwidth_gbs: float | None) -> list[dict[str, Any]]:
+    """Per ok row: its decode/prefill ratio to llama.cpp's row at the same context, and the
+    fraction of the bandwidth limit (``bandwidth / bytes_per_token`` tokens/s) its decode reached.
+
+    Args:
+        rows: sweep rows (any engines; llama.cpp rows are the reference).
+        bandwidth_gbs: measured host read bandwidth in GB/s (10^9 bytes/s); None: no fraction.
+    """
+    reference = {r["context"]: r for r in rows if r["engine"] == "llama.cpp" and r["status"] == "ok"}
+    out = []
+    for row in sorted(rows, key=lambda r: (r["context"], r["engine"] != "hybridllm", r["engine"])):
+        if row["status"] != "ok":
+            continue
+        ref = reference.get(row["context"])
+        per_token = bytes_per_token(row)
+        limit = bandwidth_gbs * 1e9 / per_token if bandwidth_gbs and per_token else None
+        out.append({
+            "context": row["context"],
+            "engine": row["engine"],
+            "weights": row.get("weights_format") or row.get("weights"),
+            "prefill_tps": row.get("prefill_tps"),
+            "decode_tps": row.get("decode_tps"),
+            "decode_ratio": _ratio(row.get("decode_tps"), ref and ref.get("decode_tps")),
+            "prefill_ratio": _ratio(row.get("prefill_tps"), ref and ref.get("prefill_tps")),
+            "bytes_per_token": per_token,
+            "limit_tps": limit,
+            "limit_fraction": _ratio(row.get("decode_tps"), limit),
+        })
+    return out
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    return value / reference if value is not None and reference else None
+
+
+def speed_table(records: Sequence[dict[str, Any]]) -> list[list[str]]:
+    def times(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    return [[
+        str(r["context"]),
+        r["engine"] + (f" ({r['weights']})" if r.get("weights") else ""),
+        fmt_rate(r["prefill_tps"]),
+        fmt_rate(r["decode_tps"]),
+        times(r["decode_ratio"]),
+        times(r["prefill_ratio"]),
+        fmt_bytes(r["bytes_per_token"]),
+        fmt_rate(r["limit_tps"]),
+        "-" if r["limit_fraction"] is None else f"{100 * r['limit_fraction']:.0f} %",
+    ] for r in records]
+
+
+def print_speed(rows: Sequence[dict[str, Any]], bandwidth_gbs: float | None, console: Console | None = None) -> None:
+    title = "speed: ratio to llama.cpp and fraction of the bandwidth limit"
+    if bandwidth_gbs:
+        title += f" (host read bandwidth {bandwidth_gbs:.1f} GB/s)"
+    print_table(SPEED_HEADERS, speed_table(speed_records(rows, bandwidth_gbs)), title=title, console=console)
+
+
+def speed_markdown(rows: Sequence[dict[str, Any]], bandwidth_gbs: float | None) -> str:
+    return markdown(SPEED_HEADERS, speed_table(speed_records(rows, bandwidth_gbs)))

@@ -152,7 +152,7 @@ def base_row(config: BenchConfig) -> dict[str, Any]:
         "device": config.device,
         "dtype": config.dtype,
         "kv_options": dict(config.kv_options),
-        "weights": config.weights,
+        "weights": config.weights if config.engine == "hybridllm" else None,  # the peers run the file as they read it
         "weights_format": None,
         "weight_bytes": {"device": None, "host": None},
         "load_s": None,

@@ -11,9 +11,9 @@ import torch
 from hybridllm.config import SamplingParams
 from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, RequestTimer, synchronize
 from hybridllm.engine.migration import PhaseMigration
+from hybridllm.engine.output import RequestOutput, StopStringMatcher, check_prompt  # noqa: F401 (re-exported)
 from hybridllm.engine.sampling import Sampler
 from hybridllm.placement.adaptive import AdaptivePolicy
-from hybridllm.errors import ContextOverflowError
 from hybridllm.kvcache.base import KVBudgetError, KVCache
 from hybridllm.models.llama import LlamaForCausalLM
 
@@ -36,47 +36,6 @@ class StreamEvent:
     text: str
     token_id: int | None = None
     result: GenerationResult | None = None
-
-
-class StopStringMatcher:
-    """Finds stop strings in streamed text and holds back any tail that could start one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = list(stops)
-        self.text = ""  # all text released or held so far
-        self.released = 0  # characters of ``text`` already emitted
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """Add ``piece``; return (text safe to emit now, whether a stop string was hit)."""
-        search_from = max(0, self.released - max((len(s) for s in self.stops), default=0))
-        self.text += piece
-        hits = [i for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
-        if hits:
-            end = min(hits)
-            out = self.text[self.released:end]
-            self.text = self.text[:end]
-            self.released = end
-            return out, True
-        hold = self._partial_stop_suffix()
-        end = len(self.text) - hold
-        out = self.text[self.released:end]
-        self.released = max(self.released, end)
-        return out, False
-
-    def flush(self) -> str:
-        out = self.text[self.released:]
-        self.released = len(self.text)
-        return out
-
-    def _partial_stop_suffix(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.text)), best, -1):
-                if self.text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
 
 
 @dataclass
@@ -151,19 +110,14 @@ class Generator:
         prompt = [int(t) for t in prompt_ids]
         self._check_prompt(prompt)
         budget = min(params.max_tokens, self.context_length - len(prompt))
-        stop_ids = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         sampler = Sampler(params)
-        decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        matcher = StopStringMatcher(params.stop)
+        output = RequestOutput(self.tokenizer, params, budget)
         cache = self.cache_factory()
         run = _Run(cache, self.model, [cache], [], len(prompt) + budget)
         cache.reserve(run.reserve_tokens)
         self._reset_peaks(cache)
         timer = RequestTimer(self.device)
         history = torch.tensor(prompt, dtype=torch.long)
-        generated: list[int] = []
-        finish_reason = "length"
-        hit_stop_string = False
         try:
             with torch.inference_mode():
                 self._relieve(run)
@@ -173,47 +127,28 @@ class Generator:
                 while True:
                     token = sampler(logits[0, -1], history if params.repetition_penalty != 1.0 else None)
                     timer.token()
-                    generated.append(token)
                     self.host_memory.sample()
-                    if token in stop_ids:
-                        finish_reason = "stop"
-                        break
-                    piece, hit = matcher.feed(decoder.push(token))
+                    piece = output.push(token)
                     if piece:
                         yield StreamEvent(piece, token)
-                    if hit:
-                        finish_reason, hit_stop_string = "stop", True
-                        break
-                    if len(generated) >= budget:
+                    if output.finish_reason is not None:
                         break
                     if params.repetition_penalty != 1.0:
                         history = torch.cat([history, torch.tensor([token])])
                     logits = self._forward([token], run)
-            if not hit_stop_string:
-                tail, _ = matcher.feed(decoder.flush())
-                tail += matcher.flush()
-                if tail:
-                    yield StreamEvent(tail, None)
-            metrics = self._metrics(prompt, generated, timer, run)
-            text = matcher.text
-            yield StreamEvent("", None, GenerationResult(text, generated, prompt, finish_reason, metrics))
+            tail = output.tail()
+            if tail:
+                yield StreamEvent(tail, None)
+            metrics = self._metrics(prompt, output.generated, timer, run)
+            yield StreamEvent("", None, GenerationResult(output.text, output.generated, prompt, output.finish_reason,
+                                                         metrics))
         finally:
             for used in run.caches:
                 used.reset()
 
     # ---- internals ----------------------------------------------------------------------
     def _check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ContextOverflowError("the prompt is empty: give at least one token")
-        if len(prompt) >= self.context_length:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens but the model's context window is {self.context_length}; "
-                f"shorten it to at most {self.context_length - 1} tokens"
-            )
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ContextOverflowError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        check_prompt(prompt, self.context_length, self.model.config.vocab_size)
 
     def _prefill(self, prompt: list[int], run: _Run) -> torch.Tensor:
         logits = None

@@ -77,7 +77,7 @@ class ColdStart:
     to_device_s: float = 0.0  # host RAM -> the weights' devices
     tokenizer_s: float = 0.0
     host_copy_s: float = 0.0  # --decode-on host: the host copy of the device weights
-    compile_s: float = 0.0  # speed transforms (fusing, torch.compile warm-up)
+    compile_s: float = 0.0  # speed transforms: fused projections, and the torch.compile warm-up step
     bytes_read: int = 0
 
     @property

@@ -39,9 +39,9 @@ import psutil
 import torch
 
 from hybridllm.config import SamplingParams
-from hybridllm.engine.generator import StopStringMatcher
+from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.sampling import Sampler
-from hybridllm.errors import ConfigError, ContextOverflowError, HybridLLMError
+from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVCache, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
 
@@ -136,13 +136,10 @@ class SequenceState:
     arrival_time: float = field(default_factory=time.perf_counter)
     cache: KVCache | None = None
     sampler: Sampler | None = None
-    decoder: Any = None
-    matcher: StopStringMatcher | None = None
-    stop_ids: frozenset[int] = frozenset()
+    output: RequestOutput | None = None  # text, stop rules, token budget
     history: torch.Tensor | None = None
     prefilled: int = 0  # prompt tokens already in the cache
     pending: int | None = None  # sampled token not yet fed to the model
-    generated: list[int] = field(default_factory=list)
     scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -152,6 +149,10 @@ class SequenceState:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return [] if self.output is None else self.output.generated
 
     @property
     def in_prefill(self) -> bool:
@@ -307,16 +308,7 @@ class Scheduler:
 
     def check_prompt(self, prompt: list[int]) -> None:
         """The generator's prompt rules: non-empty, shorter than the context, ids in the vocabulary."""
-        if not prompt:
-            raise ContextOverflowError("the prompt is empty: give at least one token")
-        if len(prompt) >= self.context_length:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens but the model's context window is {self.context_length}; "
-                f"shorten it to at most {self.context_length - 1} tokens"
-            )
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ContextOverflowError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        check_prompt(prompt, self.context_length, self.vocab_size)
 
     def start(self) -> None:
         """Start the loop thread (idempotent)."""
@@ -453,10 +445,8 @@ class Scheduler:
     def _start(self, seq: SequenceState) -> None:
         params = seq.params
         seq.scheduled_time = time.perf_counter()
-        seq.stop_ids = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         seq.sampler = Sampler(params)
-        seq.decoder = self.tokenizer.stream_decoder(skip_special_tokens=True)
-        seq.matcher = StopStringMatcher(params.stop)
+        seq.output = RequestOutput(self.tokenizer, params, seq.max_new_tokens)
         if params.repetition_penalty != 1.0:
             seq.history = torch.tensor(seq.prompt_ids, dtype=torch.long)
         seq.cache = self.llm.new_cache(self.ledger)
@@ -536,34 +526,24 @@ class Scheduler:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
-        seq.generated.append(token)
+        piece = seq.output.push(token)
         self.observer.on_token(seq, interval)
-        if token in seq.stop_ids:
-            self._finish(seq, "stop", hit_stop_string=False)
-            return
-        piece, hit = seq.matcher.feed(seq.decoder.push(token))
         if piece:
             self._emit(seq, SeqEvent(seq.request_id, piece))
-        if hit:
-            self._finish(seq, "stop", hit_stop_string=True)
-            return
-        if len(seq.generated) >= seq.max_new_tokens:
-            self._finish(seq, "length", hit_stop_string=False)
+        if seq.output.finish_reason is not None:
+            self._finish(seq, seq.output.finish_reason)
             return
         if params.repetition_penalty != 1.0:
             seq.history = torch.cat([seq.history, torch.tensor([token])])
         seq.pending = token
 
-    def _finish(self, seq: SequenceState, reason: str, hit_stop_string: bool) -> None:
-        tail = ""
-        if not hit_stop_string:
-            tail, _ = seq.matcher.feed(seq.decoder.flush())
-            tail += seq.matcher.flush()
+    def _finish(self, seq: SequenceState, reason: str) -> None:
+        tail = seq.output.tail()
         seq.finish_reason = reason
         self._release(seq)  # the KV is free before the client hears the end
         self._emit(seq, SeqEvent(
             seq.request_id, tail, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
-            completion_tokens=len(seq.generated), token_ids=list(seq.generated), full_text=seq.matcher.text,
+            completion_tokens=len(seq.generated), token_ids=list(seq.generated), full_text=seq.output.text,
         ))
         self.observer.on_finished(seq)
 

@@ -9,6 +9,8 @@ on the device and cold pages on the host) can be merged exactly by ``merge_parti
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -114,3 +116,79 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     scale = torch.exp(lses - m)  # (P, B, H, T); parts with lse=-inf get 0
     num = sum(s.unsqueeze(-1) * out for s, (out, _) in zip(scale, parts))
     return num / scale.sum(dim=0).unsqueeze(-1)
+
+
+def quantized_partial_attention(
+    q: torch.Tensor, keys: QuantizedBlock, values: QuantizedBlock, unpack: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` (no mask: every query sees every key) read straight from codes.
+
+    Keys are quantized per channel in groups of ``keys.group`` tokens and values per token in
+    groups of ``values.group`` channels (``x = code * scale + zero``). The scales and zeros are
+    folded into the small side of each product instead of dequantizing the cache:
+
+        q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd                (g: the token group of t)
+        sum_t p_t v_td = sum_t (p_t s_tg) c_td + sum_t p_t z_tg         (g: the channel group of d)
+
+    so the only full-size pass is the codes' conversion to float32.
+
+    Args:
+        q: (B, H, T, D).
+        keys: codes (B, Hkv, S, D*bits/8) uint8, scale/zero (B, Hkv, S/group, D).
+        values: codes (B, Hkv, S, D*bits/8) uint8, scale/zero (B, Hkv, S, D/group).
+        unpack: packed codes -> (B, Hkv, S, D) uint8 codes (identity for 8 bits).
+    Returns:
+        out (B, H, T, D) and lse (B, H, T), both float32.
+    """
+    batch, n_heads, n_queries, head_dim = q.shape
+    n_kv_heads = keys.codes.shape[1]
+    rows = n_heads // n_kv_heads * n_queries  # query rows per KV head
+    q_rows = q.float().reshape(batch, n_kv_heads, rows, head_dim)  # (B, Hkv, GT, D)
+    scores = _scores_from_codes(q_rows, keys, unpack) * (1.0 / math.sqrt(head_dim))  # (B, Hkv, GT, S)
+    lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, GT)
+    probs = torch.exp(scores - lse.unsqueeze(-1))  # (B, Hkv, GT, S)
+    out = _weighted_values_from_codes(probs, values, unpack)  # (B, Hkv, GT, D)
+    return out.reshape(batch, n_heads, n_queries, head_dim), lse.reshape(batch, n_heads, n_queries)
+
+
+@dataclass(frozen=True)
+class QuantizedBlock:
+    """Codes with their group-wise scale and zero (float16), as :class:`QuantizedKV` stores them."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group: int
+
+
+def _scores_from_codes(q_rows: torch.Tensor, keys: QuantizedBlock,
+                       unpack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """q_rows (B, Hkv, GT, D) against per-channel quantized keys -> raw scores (B, Hkv, GT, S)."""
+    batch, n_kv_heads, rows, head_dim = q_rows.shape
+    codes = unpack(keys.codes).float()  # (B, Hkv, S, D)
+    n_groups = codes.shape[2] // keys.group
+    codes = codes.view(batch, n_kv_heads, n_groups, keys.group, head_dim)  # (B, Hkv, Gk, group, D)
+    scale, zero = keys.scale.float(), keys.zero.float()  # (B, Hkv, Gk, D)
+    q_scaled = q_rows.unsqueeze(2) * scale.unsqueeze(3)  # (B, Hkv, Gk, GT, D)
+    scores = torch.matmul(q_scaled, codes.transpose(-1, -2))  # (B, Hkv, Gk, GT, group)
+    offsets = torch.matmul(zero, q_rows.transpose(-1, -2))  # (B, Hkv, Gk, GT)
+    scores = scores + offsets.unsqueeze(-1)
+    return scores.transpose(2, 3).reshape(batch, n_kv_heads, rows, n_groups * keys.group)  # (B, Hkv, GT, S)
+
+
+def _weighted_values_from_codes(probs: torch.Tensor, values: QuantizedBlock,
+                                unpack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """probs (B, Hkv, GT, S) times per-token quantized values -> (B, Hkv, GT, D)."""
+    batch, n_kv_heads, rows, n_keys = probs.shape
+    codes = unpack(values.codes).float()  # (B, Hkv, S, D)
+    head_dim = codes.shape[-1]
+    n_groups = head_dim // values.group
+    scale, zero = values.scale.float(), values.zero.float()  # (B, Hkv, S, Gv)
+    if n_groups == 1:  # one group per token (the usual case): a scale per key
+        out = torch.matmul(probs * scale.transpose(-1, -2), codes)  # (B, Hkv, GT, D)
+        return out + torch.matmul(probs, zero)  # + (B, Hkv, GT, 1)
+    codes = codes.view(batch, n_kv_heads, n_keys, n_groups, values.group).transpose(2, 3)  # (B, Hkv, Gv, S, g)
+    probs_scaled = probs.unsqueeze(2) * scale.permute(0, 1, 3, 2).unsqueeze(3)  # (B, Hkv, Gv, GT, S)
+    out = torch.matmul(probs_scaled, codes)  # (B, Hkv, Gv, GT, g)
+    out = out + torch.matmul(probs, zero).transpose(-1, -2).unsqueeze(-1)  # + (B, Hkv, Gv, GT, 1)
+    return out.permute(0, 1, 3, 2, 4).reshape(batch, n_kv_heads, rows, head_dim)

@@ -3,19 +3,23 @@
 Per layer, tokens ``0 .. packed-1`` live in a :class:`QuantizedKV` (keys per channel in
 groups of ``group_size`` tokens, values per token in groups of channels) and the newest
 tokens in a small :class:`DenseKV` residual of at most ``residual + group_size - 1`` tokens.
-Attention dequantizes the packed prefix, appends the residual and the new tokens, and runs
-the causal kernel; afterwards every whole group older than the newest ``residual`` tokens is
-quantized. With ``residual=0`` every complete key group is quantized (a key group needs
-``group_size`` tokens before its per-channel range is known, so < ``group_size`` tokens wait).
+Attention runs in parts merged exactly by their log-sum-exp: the packed prefix is read in
+chunks of ``chunk_tokens`` straight from its codes (:func:`quantized_partial_attention`: the
+scales and zeros are folded into the queries and the probabilities, so no dequantized copy of
+the cache is built), then the residual and the new tokens get the causal kernel; afterwards
+every whole group older than the newest ``residual`` tokens is quantized. With ``residual=0``
+every complete key group is quantized (a key group needs ``group_size`` tokens before its per-channel range is known, so < ``group_size`` tokens wait).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridllm.kvcache.attention import causal_attention
+from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.storage import DenseKV, QuantizedKV
+
+DEFAULT_CHUNK_TOKENS = 1024  # packed tokens per attention chunk: its float scratch stays in cache
 
 
 class QuantizedCache(KVCache):
@@ -27,16 +31,18 @@ class QuantizedCache(KVCache):
         bits: 8 or 4.
         group_size: tokens per key group and channels per value group.
         residual: newest tokens kept in full precision (0: quantize all complete groups).
+        chunk_tokens: packed tokens per attention chunk (rounded down to whole groups).
     """
 
     name = "quantized"
 
     def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, bits: int = 8, group_size: int = 64,
-                 residual: int = 128) -> None:
+                 residual: int = 128, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__(spec, ledger)
         if group_size < 1 or residual < 0:
             raise ValueError(f"group_size must be >= 1 and residual >= 0, got {group_size}, {residual}")
         self.bits, self.group_size, self.residual = bits, group_size, residual
+        self.chunk_tokens = max(group_size, chunk_tokens // group_size * group_size)  # whole key groups
         self._residual_capacity = residual + group_size - 1  # the most full-precision tokens ever held
         self._packed = [QuantizedKV(self.ledger, "device", spec.device, spec, bits, group_size)
                         for _ in range(spec.n_layers)]
@@ -56,13 +62,21 @@ class QuantizedCache(KVCache):
         tail_k = torch.cat([recent_k, k_new], dim=2)  # (B, Hkv, n_recent+T, D)
         tail_v = torch.cat([recent_v, v_new], dim=2)
         if packed.length:
-            old_k, old_v = packed.read()  # (B, Hkv, packed, D), dequantized
-            keys, values = torch.cat([old_k, tail_k], dim=2), torch.cat([old_v, tail_v], dim=2)  # (B, Hkv, past+T, D)
+            out = self._attend_packed_and_tail(q, packed, tail_k, tail_v, past)
         else:
-            keys, values = tail_k, tail_v
-        out = causal_attention(q, keys, values, query_start=past)
+            out = causal_attention(q, tail_k, tail_v, query_start=past)
         self._settle(packed, recent, tail_k, tail_v, k_new, v_new)
         return out
+
+    def _attend_packed_and_tail(self, q: torch.Tensor, packed: QuantizedKV, tail_k: torch.Tensor,
+                                tail_v: torch.Tensor, past: int) -> torch.Tensor:
+        """Every query sees all packed tokens (they are older); the tail is causal. (B, H, T, D)."""
+        parts = [packed.partial_attention(q, start, min(start + self.chunk_tokens, packed.length))
+                 for start in range(0, packed.length, self.chunk_tokens)]
+        n_queries, n_tail = q.shape[2], tail_k.shape[2]
+        mask = causal_mask(n_queries, n_tail, past - packed.length, q.device) if n_queries > 1 else None
+        parts.append(partial_attention(q, tail_k, tail_v, mask))
+        return merge_partials(parts).to(q.dtype)
 
     def _settle(self, packed: QuantizedKV, recent: DenseKV, tail_k: torch.Tensor, tail_v: torch.Tensor,
                 k_new: torch.Tensor, v_new: torch.Tensor) -> None:

@@ -17,7 +17,8 @@ import torch
 
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.base import KVSpec, MemoryLedger, tensor_bytes
-from hybridllm.kvcache.quantize import SCALE_DTYPE, channel_group, dequantize, packed_size, quantize
+from hybridllm.kvcache.attention import QuantizedBlock, quantized_partial_attention
+from hybridllm.kvcache.quantize import SCALE_DTYPE, channel_group, dequantize, packed_size, quantize, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -313,3 +314,18 @@ class QuantizedKV(TokenStore):
         if length % self.group:
             raise ValueError(f"quantized store truncates to whole groups of {self.group} tokens, got {length}")
         super().truncate(length)
+
+    def partial_attention(self, q: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q (B, H, T, D) over tokens ``start .. end-1`` (whole key groups), read from
+        the codes without a dequantized copy; returns (out (B, H, T, D), lse (B, H, T)) in float32."""
+        if start % self.group or end % self.group or not 0 <= start < end <= self.length:
+            raise ValueError(f"partial attention over {start}..{end}: not whole groups of {self.group} "
+                             f"within the {self.length} stored tokens")
+        rows = {name: self.buffer.rows(name, start, end) for name in self.buffer.fields}
+        keys = QuantizedBlock(rows["k_codes"], rows["k_scale"], rows["k_zero"], self.group)
+        values = QuantizedBlock(rows["v_codes"], rows["v_scale"], rows["v_zero"], self.v_group)
+        return quantized_partial_attention(q, keys, values, unpack_int4 if self.bits == 4 else _same)
+
+
+def _same(codes: torch.Tensor) -> torch.Tensor:
+    return codes

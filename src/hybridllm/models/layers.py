@@ -88,4 +88,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "gate_up_proj" in self._modules:  # fused by hybridllm.models.fuse
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., intermediate) each
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

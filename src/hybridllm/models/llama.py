@@ -31,15 +31,35 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        batch, seq, _ = x.shape  # x: (B, T, hidden)
+        q, k, v = self.project(x, cos, sin)
+        return self.output(cache.attend(self.layer_idx, q, k, v))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q (B, H, T, D) and k (B, Hkv, T, D), and v (B, Hkv, T, D) of x (B, T, hidden)."""
+        if "qkv_proj" in self._modules:  # fused by hybridllm.models.fuse
+            return self._project_fused(x, cos, sin)
+        batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        out = cache.attend(self.layer_idx, q, k, v)  # (B, H, T, D)
-        out = out.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)  # (B, T, H*D)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """The output projection of attention results (B, H, T, D) -> (B, T, hidden)."""
+        batch, _, seq, _ = attn.shape
+        out = attn.transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.o_proj(out)
+
+    def _project_fused(self, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v from one stacked projection; q and k are rotated together (one set of ops)."""
+        batch, seq, _ = x.shape
+        n_qk = self.n_heads + self.n_kv_heads
+        qkv = self.qkv_proj(x).view(batch, seq, n_qk + self.n_kv_heads, self.head_dim)  # (B, T, H+2Hkv, D)
+        qk = apply_rotary(qkv[:, :, :n_qk].transpose(1, 2), cos, sin)  # (B, H+Hkv, T, D)
+        v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
+        return qk[:, :self.n_heads], qk[:, self.n_heads:], v
 
 
 class DecoderLayer(nn.Module):
@@ -53,7 +73,25 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        compiled = self.__dict__.get("compiled_halves")  # set by hybridllm.engine.speed.compile_layers
+        if compiled is None or x.shape[1] != 1:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # Decode step with compiled dense parts: everything but the cache's attention is in
+        # two graphs (the cache call stays eager: it holds Python bookkeeping and may move data).
+        before, after = compiled
+        q, k, v = before(self, x, cos, sin)
+        attn = cache.attend(self.self_attn.layer_idx, q, k, v)  # (B, H, 1, D)
+        return after(self, x, attn)
+
+    def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first half of a step: norm, q/k/v projection and rotary. Returns q, k, v (B, H*, T, D)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def attention_outputs(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The second half: output projection, residual, norm, MLP, residual. attn: (B, H, T, D)."""
+        x = x + self.self_attn.output(attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
