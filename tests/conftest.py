@@ -45,7 +45,8 @@ def default_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The default model in float32 on the CPU, loaded once for the session."""
+    """The default model dequantized to float32 on the CPU (the golden reference: transformers
+    runs the same file in float32), loaded once for the session."""
     from hybridllm import LLM
 
-    return LLM()
+    return LLM(weights="float")

@@ -44,7 +44,7 @@ def reference(default_llm):
     {"n_gpu_layers": 20, "kv_cache": "offloaded"},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_every_placement_gives_the_all_on_device_tokens(options, reference, default_llm):
-    llm = LLM(**options)
+    llm = LLM(weights="float", **options)
     out = llm.generate(PROMPT, GREEDY)
     assert out.token_ids == reference.token_ids
     m = out.metrics
@@ -67,7 +67,7 @@ def test_every_placement_gives_the_all_on_device_tokens(options, reference, defa
 
 
 def test_split_kv_lives_with_its_layer(default_llm):
-    llm = LLM(n_gpu_layers=10)
+    llm = LLM(weights="float", n_gpu_layers=10)
     cache = llm.new_cache()
     assert isinstance(cache, SplitCache)
     cache.reserve(64)
@@ -180,7 +180,7 @@ def test_tier_of_parameter():
 
 # ---- adaptive re-planning ------------------------------------------------------------------
 def test_dynamic_cache_over_budget_moves_decoding_to_the_host(default_llm, reference, caplog):
-    llm = LLM(vram_budget=default_llm.weight_bytes["device"] + 100_000)  # far less than 24+8 tokens of KV
+    llm = LLM(weights="float", vram_budget=default_llm.weight_bytes["device"] + 100_000)  # far less than 24+8 tokens of KV
     with caplog.at_level(logging.WARNING, logger="hybridllm.placement.adaptive"):
         out = llm.generate(PROMPT, GREEDY)
     assert out.token_ids == reference.token_ids
@@ -191,8 +191,8 @@ def test_dynamic_cache_over_budget_moves_decoding_to_the_host(default_llm, refer
 
 
 def test_tiered_budget_below_one_step_reruns_the_step_on_the_host(default_llm, reference):
-    llm = LLM(vram_budget=default_llm.weight_bytes["device"] + 300_000, kv_cache="tiered", kv_hot_window=16,
-              kv_page_size=4)
+    llm = LLM(weights="float", vram_budget=default_llm.weight_bytes["device"] + 300_000, kv_cache="tiered",
+              kv_hot_window=16, kv_page_size=4)
     out = llm.generate(PROMPT, GREEDY)
     assert out.token_ids == reference.token_ids
     assert out.metrics["adaptive_actions"] and "mid-step" in out.metrics["adaptive_actions"][0]
@@ -201,8 +201,8 @@ def test_tiered_budget_below_one_step_reruns_the_step_on_the_host(default_llm, r
 def test_without_adaptive_the_budget_error_is_raised(default_llm):
     from hybridllm.kvcache.base import KVBudgetError
 
-    llm = LLM(vram_budget=default_llm.weight_bytes["device"] + 300_000, kv_cache="tiered", kv_hot_window=16,
-              kv_page_size=4, kv_adaptive=False)
+    llm = LLM(weights="float", vram_budget=default_llm.weight_bytes["device"] + 300_000, kv_cache="tiered",
+              kv_hot_window=16, kv_page_size=4, kv_adaptive=False)
     with pytest.raises(KVBudgetError):
         llm.generate(PROMPT, GREEDY)
 

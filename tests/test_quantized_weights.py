@@ -318,7 +318,7 @@ def test_metrics_record_weights_format_and_bytes(tiny_quantized):
     metrics = llm.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)).metrics
     assert metrics["weights_format"] == "int4"
     assert metrics["weight_bytes"] == llm.weight_bytes and metrics["weight_bytes"]["device"] > 0
-    float_metrics = LLM(tiny_quantized["Q4_1"]).generate([1, 2, 3], SamplingParams(max_tokens=2)).metrics
+    float_metrics = LLM(tiny_quantized["Q4_1"], weights="float").generate([1, 2, 3], SamplingParams(max_tokens=2)).metrics
     assert float_metrics["weights_format"] == "float32"
 
 

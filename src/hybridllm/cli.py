@@ -64,7 +64,7 @@ KVResidualOpt = Annotated[int, typer.Option("--kv-residual", help="quantized: ne
 KVOffloadOpt = Annotated[Optional[float], typer.Option("--kv-offload-percent", help="tiered: percent of cached tokens kept on the host instead of a window.")]
 VramOpt = Annotated[Optional[str], typer.Option("--vram-budget", help="Device memory budget, e.g. 8GiB (weights + KV).")]
 WeightsOpt = Annotated[str, typer.Option("--weights", help="Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4.")]
-PlacedWeightsOpt = Annotated[Optional[str], typer.Option("--weights", help="Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4 (default: the placement file's, else float).")]
+PlacedWeightsOpt = Annotated[Optional[str], typer.Option("--weights", help="Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4 (default: the placement file's, else auto).")]
 NGLOpt = Annotated[Optional[int], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device (the first N; the rest on the host), like llama.cpp.")]
 DecodeOnOpt = Annotated[Optional[str], typer.Option("--decode-on", help="device, or host: prefill on the device, then move the KV to the host and decode there.")]
 PlacementOpt = Annotated[Optional[Path], typer.Option("--placement", help="Placement JSON file (per-layer tiers, KV policy, decode tier; `hybridllm plan --json` writes one).")]

@@ -1,7 +1,7 @@
 """The Python API: ``LLM`` loads a model once and serves requests.
 
     from hybridllm import LLM, SamplingParams
-    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct, CPU, float32
+    llm = LLM()                                   # the embedded SmolLM2-135M-Instruct, CPU, its 4/8-bit weights kept
     out = llm.generate("The capital of France is", SamplingParams(max_tokens=16, temperature=0))
     print(out.text, out.metrics["decode_tps"])
 """
@@ -54,7 +54,8 @@ class LLM:
         show_progress: progress bar while loading (default: on a terminal for large files).
         weights: "float" (dequantize to ``dtype``), "auto" (keep the file's 4/8-bit quantization
             where a kernel exists), "int8" or "int4" (see ``hybridllm.models.quantized``).
-            None: the placement file's choice, else "float".
+            None: the placement file's choice, else "auto" (like llama.cpp, the file's
+            quantization is what runs).
         placement: a :class:`~hybridllm.placement.Placement` or the path of one saved as JSON
             (``--placement``): per-layer weight tiers, KV policy, decode tier.
         n_gpu_layers: llama.cpp's ``-ngl``: the first N layers on ``device``, the rest on the host
@@ -236,9 +237,9 @@ def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | 
     device; explicit ``decode_on``, ``weights`` and KV options override what it says."""
     if placement is None:
         if n_gpu_layers is None:
-            chosen = Placement.all_on_device(n_layers, weights="float")
+            chosen = Placement.all_on_device(n_layers, weights="auto")
         else:
-            chosen = Placement.from_n_gpu_layers(n_layers, n_gpu_layers, weights="float")
+            chosen = Placement.from_n_gpu_layers(n_layers, n_gpu_layers, weights="auto")
     elif isinstance(placement, Placement):
         chosen = replace(placement)
         if len(chosen.layer_tiers) != n_layers:

@@ -27,6 +27,7 @@ same modules straight from the file's blocks (``hybridllm.loading.quantized_load
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -114,8 +115,13 @@ def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_
 
 
 def _has_int8_kernel(device: torch.device) -> bool:
-    key = "CUDA" if device.type == "cuda" else "CPU"
-    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key)
+    return _has_int8_kernel_for("CUDA" if device.type == "cuda" else "CPU")
+
+
+@functools.cache
+def _has_int8_kernel_for(dispatch_key: str) -> bool:
+    """Asked once per dispatch key (the int8 head calls the kernel 18 times per token)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", dispatch_key)
 
 
 def _int8_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
