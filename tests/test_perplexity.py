@@ -61,7 +61,7 @@ def test_perplexity_equals_a_direct_computation(tiny_models):
 def test_int4_weights_against_the_float_reference(tiny_q4):
     from hybridllm import LLM
 
-    test, ref = LLM(tiny_q4, weights="int4"), LLM(tiny_q4)
+    test, ref = LLM(tiny_q4, weights="int4"), LLM(tiny_q4, weights="float")
     ids = list(range(3, 80))
     result = evaluate_perplexity(test, ref, ids, context=32, chunk=16)
     same = evaluate_perplexity(ref, ref, ids, context=32, chunk=32)
