@@ -35,7 +35,8 @@ CATEGORIES = {
 
 
 def build(args: argparse.Namespace, variant: str):
-    llm = LLM(weights=args.weights, threads=args.threads, kv_cache=args.kv_cache, **_kv_options(args))
+    # fuse=False: LLM fuses by default; each variant applies its own transforms below
+    llm = LLM(weights=args.weights, threads=args.threads, kv_cache=args.kv_cache, fuse=False, **_kv_options(args))
     parts = set(variant.split("+"))
     t0 = time.perf_counter()
     model = apply_speed_transforms(llm.model, fuse="fuse" in parts, compile="compile" in parts)
