@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from hybridllm.config import EngineConfig, KVConfig, SamplingParams
 from hybridllm.engine.generator import GenerationResult, Generator, StreamEvent
+from hybridllm.engine.metrics import ColdStart
 from hybridllm.engine.migration import PhaseMigration
 from hybridllm.engine.speed import apply_speed_transforms
-from hybridllm.engine.metrics import ColdStart
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
@@ -121,7 +121,7 @@ class LLM:
         t0 = time.perf_counter()
         self.tokenizer = self.checkpoint.tokenizer()
         self.cold_start.tokenizer_s = time.perf_counter() - t0
-        self.weight_bytes = weight_bytes_per_tier(self.model, self.placement)
+        self.weight_bytes = weight_bytes_per_tier(self.model)
         self._migration: PhaseMigration | None = None
         if self.placement.decode_on == "host":
             t0 = time.perf_counter()
@@ -191,9 +191,7 @@ class LLM:
         """Decoding on the host: a host copy of the device weights (made once) and host caches."""
         if self._migration is None:
             decode_model = apply_speed_transforms(host_decode_model(self.model, self.devices), **self._speed)
-            everything_on_host = Placement(layer_tiers=["host"] * self.config.n_layers, embed_tier="host",
-                                           head_tier="host")
-            self.weight_bytes["host"] = weight_bytes_per_tier(decode_model, everything_on_host)["host"]
+            self.weight_bytes["host"] = weight_bytes_per_tier(decode_model)["host"]
             self._migration = PhaseMigration(decode_model, self.new_host_cache)
         return self._migration
 
@@ -241,9 +239,7 @@ def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | 
         else:
             chosen = Placement.from_n_gpu_layers(n_layers, n_gpu_layers, weights="auto")
     elif isinstance(placement, Placement):
-        chosen = replace(placement)
-        if len(chosen.layer_tiers) != n_layers:
-            raise ConfigError(f"placement: {len(chosen.layer_tiers)} layer tiers for a model of {n_layers} layers")
+        chosen = placement.check_layer_count(n_layers)
     else:
         chosen = Placement.load(placement, n_layers)
     kv = replace(chosen.kv, **kv_options) if kv_options else chosen.kv

@@ -13,9 +13,9 @@ from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, RequestTime
 from hybridllm.engine.migration import PhaseMigration
 from hybridllm.engine.output import RequestOutput, StopStringMatcher, check_prompt  # noqa: F401 (re-exported)
 from hybridllm.engine.sampling import Sampler
-from hybridllm.placement.adaptive import AdaptivePolicy
 from hybridllm.kvcache.base import KVBudgetError, KVCache
 from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.placement.adaptive import AdaptivePolicy
 
 
 @dataclass

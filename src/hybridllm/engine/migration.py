@@ -7,23 +7,14 @@ moves once into a host-tier cache and decoding continues there on a host copy of
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hybridllm.kvcache.base import KVCache, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
 from hybridllm.models.llama import LlamaForCausalLM
-
-
-@dataclass
-class MigrationRecord:
-    """What one migration cost: bytes that crossed device -> host and the time it took."""
-
-    bytes_moved: int = 0
-    seconds: float = 0.0
 
 
 @dataclass
@@ -37,27 +28,22 @@ class PhaseMigration:
 
     decode_model: LlamaForCausalLM
     new_host_cache: Callable[[MemoryLedger], DynamicCache]
-    last: MigrationRecord = field(default_factory=MigrationRecord)
 
     def migrate(self, cache: KVCache, reserve_tokens: int = 0) -> DynamicCache:
         """A host cache holding everything ``cache`` held; ``cache`` is emptied (its memory freed).
 
         ``reserve_tokens``: the request's prompt plus its token budget (allocated once).
-        Only the tokens that were in the device tier count as moved bytes.
+        Only the tokens that were in the device tier count as moved bytes (the new cache's
+        ``bus_bytes["d2h"]``).
         """
-        t0 = time.perf_counter()
         target = self.new_host_cache(cache.ledger)
         target.reserve(reserve_tokens)
-        moved = 0
         for layer_idx in range(cache.spec.n_layers):
             keys, values = cache.read_layer(layer_idx)  # (B, Hkv, length, D)
             device_tokens = cache.length(layer_idx) - cache.host_tokens(layer_idx)
-            layer_moved = 2 * device_tokens * token_row_bytes(keys)
             target.extend(layer_idx, keys.to(target.storage_device), values.to(target.storage_device),
-                          moved_bytes=layer_moved)
-            moved += layer_moved
+                          moved_bytes=2 * device_tokens * token_row_bytes(keys))
         cache.reset()
-        self.last = MigrationRecord(moved, time.perf_counter() - t0)
         return target
 
 

@@ -69,7 +69,7 @@ class AdaptivePolicy:
         """Migrate the request to the host: its KV to a host cache, the rest of it to the host model."""
         migration = self.migration()
         host_cache = migration.migrate(cache, reserve_tokens)
-        _log(actions, f"{why}: decoding moved to the host ({migration.last.bytes_moved} bytes of KV migrated)")
+        _log(actions, f"{why}: decoding moved to the host ({host_cache.bus_bytes['d2h']} bytes of KV migrated)")
         return host_cache, migration.decode_model
 
 

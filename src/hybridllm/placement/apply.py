@@ -79,16 +79,17 @@ def module_copy_on(module: nn.Module, device: torch.device) -> nn.Module:
     return copy.deepcopy(module, memo).to(device)
 
 
-def module_tiers(model: LlamaForCausalLM, placement: Placement) -> list[tuple[nn.Module, str]]:
-    """Each top-level piece of the model with its tier (the rotary tables are not weights)."""
-    pieces: list[tuple[nn.Module, str]] = [(model.model.embed_tokens, placement.embed_tier)]
-    pieces += list(zip(model.model.layers, placement.layer_tiers))
-    pieces += [(model.model.norm, placement.head_tier), (model.lm_head, placement.head_tier)]
+def module_tiers(model: LlamaForCausalLM) -> list[tuple[nn.Module, str]]:
+    """Each top-level piece of the model with the tier it was given (:func:`assign_tiers`; the
+    rotary tables are not weights)."""
+    pieces: list[tuple[nn.Module, str]] = [(model.model.embed_tokens, model.embed_tier)]
+    pieces += list(zip(model.model.layers, model.layer_tiers))
+    pieces += [(model.model.norm, model.head_tier), (model.lm_head, model.head_tier)]
     return pieces
 
 
-def weight_bytes_per_tier(model: LlamaForCausalLM, placement: Placement) -> dict[str, int]:
-    """Bytes of weights (parameters and quantized buffers) per tier.
+def weight_bytes_per_tier(model: LlamaForCausalLM) -> dict[str, int]:
+    """Bytes of weights (parameters and quantized buffers) per tier, by the model's own tiers.
 
     Tiers are logical: a tensor shared within a tier (a tied head) counts once, but a tier's
     own copy counts in that tier even where both tiers are the CPU (CPU as the device), so the
@@ -96,7 +97,7 @@ def weight_bytes_per_tier(model: LlamaForCausalLM, placement: Placement) -> dict
     """
     out = {"device": 0, "host": 0}
     seen: set[tuple[str, object]] = set()
-    for piece, tier in module_tiers(model, placement):
+    for piece, tier in module_tiers(model):
         for tensor in itertools.chain(piece.parameters(), piece.buffers()):
             key = (tier, (str(tensor.device), tensor.untyped_storage().data_ptr()))
             if key in seen:

@@ -95,9 +95,13 @@ class Placement:
             placement = cls(**data)
         except TypeError as exc:
             raise ConfigError(f"placement: {exc}") from None
-        if n_layers is not None and len(placement.layer_tiers) != n_layers:
-            raise ConfigError(f"placement: {len(placement.layer_tiers)} layer tiers for a model of {n_layers} layers")
-        return placement
+        return placement if n_layers is None else placement.check_layer_count(n_layers)
+
+    def check_layer_count(self, n_layers: int) -> "Placement":
+        """This placement, if it has one tier per layer of a model of ``n_layers`` layers."""
+        if len(self.layer_tiers) != n_layers:
+            raise ConfigError(f"placement: {len(self.layer_tiers)} layer tiers for a model of {n_layers} layers")
+        return self
 
     @classmethod
     def load(cls, path: str | os.PathLike, n_layers: int | None = None) -> "Placement":
