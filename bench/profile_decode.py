@@ -3,6 +3,7 @@
     python bench/profile_decode.py --context 512 --threads 2 --variants base,fuse
     python bench/profile_decode.py --context 8192 --profile --variants fuse
     python bench/profile_decode.py --context 512 --variants fuse,fuse+compile
+    python bench/profile_decode.py --context 512 --variants fuse,native
 
 Each variant loads its own copy of the model (``LLM(weights=...)``), prefills a random prompt of
 ``--context`` tokens, and then times ``--steps`` greedy decode steps (``model.forward`` on one
@@ -35,11 +36,13 @@ CATEGORIES = {
 
 
 def build(args: argparse.Namespace, variant: str):
-    # fuse=False: LLM fuses by default; each variant applies its own transforms below
-    llm = LLM(weights=args.weights, threads=args.threads, kv_cache=args.kv_cache, fuse=False, **_kv_options(args))
+    # fuse=False, native_decode=False: LLM applies both by default; each variant applies its own below
+    llm = LLM(weights=args.weights, threads=args.threads, kv_cache=args.kv_cache, fuse=False, native_decode=False,
+              **_kv_options(args))
     parts = set(variant.split("+"))
     t0 = time.perf_counter()
-    model = apply_speed_transforms(llm.model, fuse="fuse" in parts, compile="compile" in parts)
+    model = apply_speed_transforms(llm.model, fuse="fuse" in parts, native_decode="native" in parts,
+                                   compile="compile" in parts)
     cache = llm.new_cache()
     cache.reserve(args.context + args.steps * (args.rounds + 2) + 8)
     seeded = torch.Generator().manual_seed(0)
@@ -91,7 +94,7 @@ def main() -> None:
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--kv-cache", default="dynamic")
     parser.add_argument("--kv-bits", type=int, default=8)
-    parser.add_argument("--variants", default="base,fuse", help="comma-separated: base, fuse, fuse+compile")
+    parser.add_argument("--variants", default="base,fuse", help="comma-separated: base, fuse, fuse+compile, native (native decode kernels)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     variants = args.variants.split(",")

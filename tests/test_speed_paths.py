@@ -137,8 +137,8 @@ def test_speed_transforms_keep_parity_with_transformers(tiny_models, arch):
 def test_compiled_decode_step_equals_eager(tiny_models):
     eager, _ = _load(tiny_models, "qwen2")
     compiled, _ = _load(tiny_models, "qwen2")
-    apply_speed_transforms(eager, fuse=True)
-    apply_speed_transforms(compiled, fuse=True, compile=True)
+    apply_speed_transforms(eager, fuse=True, native_decode=False)  # else native steps would take the decode
+    apply_speed_transforms(compiled, fuse=True, native_decode=False, compile=True)
     assert compiled.speed_report.compiled
     ids = _prompt(eager)
     ref_logits, ref_tokens = _prefill_and_greedy(eager, ids, steps=6)

@@ -69,6 +69,7 @@ NGLOpt = Annotated[Optional[int], typer.Option("--n-gpu-layers", "-ngl", help="L
 DecodeOnOpt = Annotated[Optional[str], typer.Option("--decode-on", help="device, or host: prefill on the device, then move the KV to the host and decode there.")]
 PlacementOpt = Annotated[Optional[Path], typer.Option("--placement", help="Placement JSON file (per-layer tiers, KV policy, decode tier; `hybridllm plan --json` writes one).")]
 FuseOpt = Annotated[bool, typer.Option("--fuse/--no-fuse", help="Stack q/k/v and gate/up into one projection each (fewer operator calls per token).")]
+NativeDecodeOpt = Annotated[bool, typer.Option("--native-decode/--no-native-decode", help="Decode host layers with the native C++ kernels (one call per token; built once with the host's C++ compiler).")]
 CompileOpt = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the decode step's dense parts (compile time counts in the cold start).")]
 KVAdaptiveOpt = Annotated[bool, typer.Option("--kv-adaptive/--no-kv-adaptive", help="When device KV fills up mid-request, shrink the hot window or move decoding to the host instead of failing.")]
 
@@ -146,6 +147,7 @@ def generate(
     decode_on: DecodeOnOpt = None,
     placement: PlacementOpt = None,
     fuse: FuseOpt = True,
+    native_decode: NativeDecodeOpt = True,
     compile: CompileOpt = False,
 ) -> None:
     """Generate a completion and report what each phase cost."""
@@ -162,7 +164,8 @@ def generate(
     kv = _kv_options(kv_cache, kv_page_size, kv_hot_window, kv_sink_tokens, kv_cold_bits, kv_bits, kv_residual,
                      kv_offload_percent, vram_budget, kv_adaptive)
     llm = _load(model, device, dtype, threads,
-                {**placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse, "compile": compile},
+                {**placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse, "native_decode": native_decode,
+                 "compile": compile},
                 weights=weights)
     use_chat = llm.tokenizer.has_chat_template if chat is None else chat
     request = [{"role": "user", "content": prompt}] if use_chat else prompt
@@ -207,6 +210,7 @@ def chat(
     decode_on: DecodeOnOpt = None,
     placement: PlacementOpt = None,
     fuse: FuseOpt = True,
+    native_decode: NativeDecodeOpt = True,
     compile: CompileOpt = False,
 ) -> None:
     """Interactive chat that streams tokens. /reset clears the history, /exit (or Ctrl-D) quits."""
@@ -215,7 +219,8 @@ def chat(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     kv = {k: v for k, v in vars(KVConfig(kv_cache=kv_cache, vram_budget=vram_budget)).items()}
     llm = _load(model, device, dtype, threads,
-                {**placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse, "compile": compile},
+                {**placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse, "native_decode": native_decode,
+                 "compile": compile},
                 weights=weights)
     if not llm.tokenizer.has_chat_template:
         fail("this model has no chat template; use `hybridllm generate --no-chat` instead")

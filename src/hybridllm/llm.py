@@ -34,6 +34,7 @@ from hybridllm.placement.apply import (
     assign_tiers,
     host_decode_model,
     place_tied_head,
+    decode_weight_bytes,
     weight_bytes_per_tier,
     weight_device_for,
 )
@@ -64,6 +65,10 @@ class LLM:
             moves to the host and decoding runs there on a host copy of the weights.
         fuse: stack q/k/v and gate/up into one projection each (fewer operator calls per token;
             see ``hybridllm.models.fuse``).
+        native_decode: run decode steps of host layers (batch 1, float32 activations) through
+            the native C++ kernels (``hybridllm.kernels``; built once with the host compiler,
+            PyTorch steps when that is impossible). Build and weight conversion count in the
+            cold start.
         compile: ``torch.compile`` the layers' dense parts for decode steps; the compile runs
             in a warm-up step at load and counts in the cold start.
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
@@ -84,6 +89,7 @@ class LLM:
         n_gpu_layers: int | None = None,
         decode_on: str | None = None,
         fuse: bool = True,
+        native_decode: bool = True,
         compile: bool = False,
         **kv_options: Any,
     ) -> None:
@@ -114,7 +120,7 @@ class LLM:
         )
         place_tied_head(self.model, self.placement, self.devices)
         assign_tiers(self.model, self.placement)
-        self._speed = {"fuse": fuse, "compile": compile}
+        self._speed = {"fuse": fuse, "native_decode": native_decode, "compile": compile}
         apply_speed_transforms(self.model, **self._speed)
         self.cold_start.compile_s = self.model.speed_report.seconds
         self.weights_format = weights_format(self.model)
@@ -127,6 +133,8 @@ class LLM:
             t0 = time.perf_counter()
             self.phase_migration()
             self.cold_start.host_copy_s = time.perf_counter() - t0
+        # What a decode step reads (the decoding model's weights; native layers read their own copy).
+        self.decode_weight_bytes = decode_weight_bytes(self._migration.decode_model if self._migration else self.model)
         self._generator = Generator(
             self.model,
             self.tokenizer,
@@ -134,6 +142,7 @@ class LLM:
             device=self.devices.device,
             prefill_chunk=prefill_chunk,
             weight_bytes=self.weight_bytes,
+            decode_weight_bytes=self.decode_weight_bytes,
             cold_start_s=self.cold_start.total_s,
             weights_format=self.weights_format,
             migration=self._migration,

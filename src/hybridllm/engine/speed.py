@@ -1,22 +1,31 @@
-"""Speed transforms of a loaded model: fused projections and an optional ``torch.compile``.
+"""Speed transforms of a loaded model: fused projections, native host decode kernels, and an
+optional ``torch.compile``.
 
-    model = apply_speed_transforms(model, fuse=True, compile=False)
+    model = apply_speed_transforms(model, fuse=True, native_decode=True, compile=False)
     model.speed_report  # what was applied and how long it took (seconds, for the cold start)
 
 Fusion (``hybridllm.models.fuse``) changes no result beyond the kernels' summation order. It
 runs per layer on each layer's own device, so call it after the placement moved the layers.
+Native decode (``hybridllm.kernels.native``) gives host layers a one-call C++ decode step; when
+the kernels cannot be built (no C++ compiler), the model keeps its PyTorch steps and the report
+says why.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from hybridllm.kernels.build import KernelBuildError
+from hybridllm.kernels.native import NativeReport, enable_native_decode
 from hybridllm.models.fuse import fuse_projections
 from hybridllm.models.llama import DecoderLayer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,16 +34,21 @@ class SpeedReport:
 
     fused: bool = False
     compiled: bool = False
+    native: NativeReport | None = None  # None: native decode not asked for, or not available
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
 
-def apply_speed_transforms(model: nn.Module, *, fuse: bool = True, compile: bool = False) -> nn.Module:
+def apply_speed_transforms(model: nn.Module, *, fuse: bool = True, native_decode: bool = True,
+                           compile: bool = False) -> nn.Module:
     """Apply the speed transforms in place and return the model (with ``model.speed_report``).
 
     Args:
         model: a loaded ``LlamaForCausalLM`` (weights already on their devices).
         fuse: stack q/k/v and gate/up into one projection each (float, int4 and int8 layers).
+        native_decode: give every fused float32 host layer and the head a native C++ decode step
+            (:func:`hybridllm.kernels.native.enable_native_decode`; with ``fuse=False`` only the
+            head gets one).
         compile: compile the layers' dense parts with ``torch.compile`` (see
             :func:`compile_layers`); the first forward of each new shape then pays the compile.
     """
@@ -43,6 +57,15 @@ def apply_speed_transforms(model: nn.Module, *, fuse: bool = True, compile: bool
     if fuse:
         fuse_projections(model)
         report.fused = True
+    if native_decode:
+        try:
+            report.native = enable_native_decode(model)
+        except KernelBuildError as exc:
+            logger.warning("native decode kernels unavailable, using PyTorch decode steps: %s", exc)
+            report.notes.append(f"native decode unavailable: {exc}")
+        else:
+            if report.native.layers == 0:
+                report.notes.append("native decode: no layer on the host in float32")
     if compile:
         compile_layers(model)
         report.compiled = True

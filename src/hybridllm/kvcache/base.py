@@ -116,6 +116,15 @@ class KVSpec:
         return 2 * self.batch_size * self.n_kv_heads * self.head_dim * size
 
 
+@dataclass(frozen=True)
+class InPlaceSlot:
+    """A layer's K/V buffers ((B, Hkv, capacity, D) each) and the first row to write."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+
+
 class KVCache(ABC):
     """Stores keys/values of every layer and computes causal attention over them.
 
@@ -167,6 +176,17 @@ class KVCache(ABC):
 
     def reserve(self, n_tokens: int) -> None:
         """Hint that up to ``n_tokens`` will be cached, so storage can be allocated once."""
+
+    def supports_in_place(self, layer_idx: int) -> bool:
+        """Whether :meth:`in_place_slot` serves this layer (a kernel may write and read its
+        buffers directly: contiguous float32 host buffers of a batch of one)."""
+        return False
+
+    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
+        """Room for ``n_new`` tokens of a layer, counted as appended: the caller writes their keys
+        and values at rows ``start ..`` of the returned buffers and attends over rows ``0 ..
+        start + n_new - 1`` itself (the native decode step). Only where :meth:`supports_in_place`."""
+        raise NotImplementedError(f"{type(self).__name__} has no in-place slots")
 
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors that hold the KV, per tier: the ledger's counts must equal their bytes."""

@@ -12,14 +12,15 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridllm.kvcache.base import KVCache
+from hybridllm.kvcache.base import InPlaceSlot, KVCache
 
 
 class BatchedCaches:
     """Row ``i`` of every ``attend`` call goes to ``caches[i]``.
 
     Only the part of the :class:`~hybridllm.kvcache.base.KVCache` interface that the model uses
-    is provided: :meth:`attend` and the per-row start positions :attr:`seq_lengths`.
+    is provided: :meth:`attend`, the per-row start positions :attr:`seq_lengths`, and in-place
+    slots for a batch of one (its sequence's cache's, so a lone request decodes natively).
 
     Args:
         caches: one cache per batch row, each holding a single sequence (batch size 1).
@@ -41,6 +42,14 @@ class BatchedCaches:
     def start_positions(self) -> torch.Tensor:
         """The rows' next positions as a (B,) tensor, the model's per-row ``start_pos``."""
         return torch.tensor(self.seq_lengths, dtype=torch.long)
+
+    def supports_in_place(self, layer_idx: int) -> bool:
+        return len(self.caches) == 1 and self.caches[0].supports_in_place(layer_idx)
+
+    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
+        if len(self.caches) != 1:
+            raise ValueError(f"in-place slots serve a batch of one, not {len(self.caches)}")
+        return self.caches[0].in_place_slot(layer_idx, n_new)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """Split the batch by row, let each sequence's cache attend, and stack the outputs.

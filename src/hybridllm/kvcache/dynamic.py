@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridllm.kvcache.attention import causal_attention
-from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.base import InPlaceSlot, KVCache, KVSpec, MemoryLedger, tensor_bytes
 
 DEFAULT_PAGE_SIZE = 128
 
@@ -77,6 +77,15 @@ class DynamicCache(KVCache):
         k_buf[:, :, past:total] = k_new
         v_buf[:, :, past:total] = v_new
         return causal_attention(q, k_buf[:, :, :total], v_buf[:, :, :total], query_start=past)
+
+    def supports_in_place(self, layer_idx: int) -> bool:
+        spec = self.spec
+        return self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
+
+    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
+        self._grow(layer_idx, self.length(layer_idx) + n_new)
+        past = self._advance(layer_idx, n_new)
+        return InPlaceSlot(self._k[layer_idx], self._v[layer_idx], past)
 
     def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, moved_bytes: int = 0) -> None:
         """Append ``keys``/``values`` (B, Hkv, T, D) to a layer without attending (a cache being

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from hybridllm.kvcache.base import TIERS, KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.base import TIERS, InPlaceSlot, KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
 
 
@@ -81,6 +81,14 @@ class SplitCache(KVCache):
     def host_tokens(self, layer_idx: int) -> int:
         part, local = self._route[layer_idx]
         return part.host_tokens(local)
+
+    def supports_in_place(self, layer_idx: int) -> bool:
+        part, local = self._route[layer_idx]
+        return part.supports_in_place(local)
+
+    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
+        part, local = self._route[layer_idx]
+        return part.in_place_slot(local, n_new)
 
     def length(self, layer_idx: int) -> int:
         part, local = self._route[layer_idx]

@@ -73,6 +73,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        native = self._modules.get("native_step")  # set by hybridllm.kernels.native.enable_native_decode
+        if native is not None and native.applies(x, cos, cache):
+            return native.step(x, cos, sin, cache)  # the whole one-token step in one kernel call
         compiled = self.__dict__.get("compiled_halves")  # set by hybridllm.engine.speed.compile_layers
         if compiled is None or x.shape[1] != 1:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
@@ -147,6 +150,10 @@ class LlamaForCausalLM(nn.Module):
         x = embed(input_ids.to(embed.weight.device))  # (B, T, hidden)
         starts = torch.as_tensor(start_pos).reshape(-1, 1)  # (B or 1, 1)
         positions = starts + torch.arange(seq)  # (B or 1, T)
+        native = self.__dict__.get("native_model")  # set by hybridllm.kernels.native.enable_native_decode
+        if native is not None and x.dtype == torch.float32 and native.applies(input_ids, cache):
+            self.hop_bytes += native.tier_changes * x.numel() * x.element_size()
+            return native.decode(x, *self.rotary.cos_sin(positions, x.dtype), cache)
         tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         tier = self.embed_tier
         for layer, layer_tier in zip(self.model.layers, self.layer_tiers):
@@ -162,6 +169,9 @@ class LlamaForCausalLM(nn.Module):
         x = self._hop(x, self.model.norm.weight.device, tier != self.head_tier)
         x = self.model.norm(x)
         x = self._hop(x, self.lm_head.weight.device, False)  # the norm and the head share a tier
+        native_head = self._modules.get("native_head")  # set by enable_native_decode
+        if native_head is not None and native_head.applies(x):
+            return native_head(x)
         return self.lm_head(x).float()
 
     def _hop(self, x: torch.Tensor, device: torch.device, crosses_tiers: bool) -> torch.Tensor:

@@ -107,6 +107,42 @@ def _int4_pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(device=device, dtype=torch.int32), 1)
 
 
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Every 4-bit value of a packed tensor, low nibble of each byte first: (2 * bytes,) uint8."""
+    data = packed.contiguous().view(torch.uint8).reshape(-1)
+    return torch.stack((data & 15, data >> 4), dim=-1).reshape(-1)
+
+
+@functools.cache
+def _cpu_nibble_order(n: int, k: int) -> torch.Tensor | None:
+    """For the CPU int4 packing of an (n, k) weight: index i such that code (r, c) sits at nibble
+    ``order[r * k + c]`` of the packed bytes; None when the packing is not a plain reordering.
+
+    The packed layout is private to PyTorch's kernel (it changes between versions and CPUs), so
+    it is learnt by packing probe weights: probe d holds digit d (base 16) of each position + 1,
+    so ceil(log16(n k + 1)) packings spell out where every code went; padding stays 0. A random
+    weight then checks the result. Unpacking becomes one gather instead of a product with an
+    identity matrix through the kernel (what fusion and the native decode copies pay at load).
+    """
+    cpu = torch.device("cpu")
+    positions = torch.arange(1, n * k + 1, dtype=torch.int64)
+    digits = max(1, -(-int(n * k).bit_length() // 4))
+    source: torch.Tensor | None = None
+    for d in range(digits):
+        probe = ((positions >> (4 * d)) & 15).reshape(n, k)
+        nibbles = _nibbles(_int4_pack(probe, cpu)).to(torch.int64)
+        source = nibbles << (4 * d) if source is None else source | (nibbles << (4 * d))
+    found = source[source > 0] - 1
+    if found.numel() != n * k or not torch.equal(torch.sort(found).values, positions - 1):
+        return None
+    order = torch.empty(n * k, dtype=torch.int64)
+    order[source[source > 0] - 1] = torch.nonzero(source > 0).reshape(-1)
+    check = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0))
+    if not torch.equal(_nibbles(_int4_pack(check, cpu))[order].reshape(n, k).to(torch.int64), check):
+        return None
+    return order
+
+
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x (M, K) in the kernel dtype -> (M, N)."""
     if packed.device.type == "cuda":
@@ -233,7 +269,12 @@ class Int4Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def unpack_codes(self) -> torch.Tensor:
-        """(N, K) uint8 codes 0..15, read back through the kernel itself (layout-agnostic, exact)."""
+        """(N, K) uint8 codes 0..15, exact: on the CPU by the packing's nibble order (learnt once
+        per shape, see :func:`_cpu_nibble_order`), else read back through the kernel itself."""
+        if self.weight.device.type == "cpu":
+            order = _cpu_nibble_order(self.out_features, self.in_features)
+            if order is not None:
+                return _nibbles(self.weight)[order].reshape(self.out_features, self.in_features)
         groups = self.in_features // self.group_size
         unit = torch.empty(groups, self.out_features, 2, dtype=torch.bfloat16, device=self.weight.device)
         unit[..., 0], unit[..., 1] = 1.0, 8.0  # (q - 8) * 1 + 8 == q, exact in bfloat16

@@ -50,12 +50,14 @@ def make_serve_command(cli: ModuleType) -> Callable[..., None]:
         decode_on: cli.DecodeOnOpt = None,
         placement: cli.PlacementOpt = None,
         fuse: cli.FuseOpt = True,
+        native_decode: cli.NativeDecodeOpt = True,
         compile: cli.CompileOpt = False,
     ) -> None:
         """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
         kv = cli._kv_options(kv_cache, kv_page_size, kv_hot_window, kv_sink_tokens, kv_cold_bits, kv_bits,
                              kv_residual, kv_offload_percent, vram_budget)
-        kv = {**cli.placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse, "compile": compile}
+        kv = {**cli.placement_options(n_gpu_layers, decode_on, placement, kv), "fuse": fuse,
+              "native_decode": native_decode, "compile": compile}
         run_server(model=model, host=host, port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
                    host_budget=host_budget, prefill_chunk=prefill_chunk, served_model_name=served_model_name,
                    log_level=log_level, weights=weights, dtype=dtype, device=device, threads=threads, kv=kv)

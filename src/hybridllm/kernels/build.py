@@ -1,0 +1,136 @@
+"""Build and load the native decode kernels (``decode.cpp``) with the host's C++ compiler.
+
+    library = load_decode_library()   # ctypes.CDLL, built once per machine and source version
+
+The shared library is compiled with ``-O3 -march=native -fopenmp`` into a cache directory
+(``$HYBRIDLLM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/hybridllm/kernels``, else
+``~/.cache/hybridllm/kernels``) under a name that hashes the source, the compiler, the flags
+and the CPU model, so an edit, another compiler or another machine sharing the home directory
+each get their own build. The compiler is ``$CXX`` or the first of ``c++``/``g++``/``clang++``
+on the PATH. Failures raise :class:`KernelBuildError` with a one-line reason; callers fall back
+to the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridllm.errors import HybridLLMError
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+ABI_VERSION = 1  # must equal ABI_VERSION in decode.cpp
+
+
+class KernelBuildError(HybridLLMError, RuntimeError):
+    """The native kernels could not be built or loaded (no compiler, compile error, ...)."""
+
+
+@dataclass(frozen=True)
+class LoadedLibrary:
+    """The loaded kernels and what loading them cost (``build_seconds`` is 0 on a cache hit)."""
+
+    library: ctypes.CDLL
+    path: Path
+    build_seconds: float
+
+
+def cache_dir() -> Path:
+    if os.environ.get("HYBRIDLLM_KERNEL_CACHE"):
+        return Path(os.environ["HYBRIDLLM_KERNEL_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "hybridllm" / "kernels"
+
+
+def find_compiler() -> str:
+    """The C++ compiler to use: ``$CXX`` or the first one found on the PATH."""
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    for name in candidates:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise KernelBuildError(f"no C++ compiler found (tried {', '.join(candidates)}); install g++ or set CXX")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"cannot run the C++ compiler {compiler}: {exc}") from exc
+    return done.stdout.splitlines()[0] if done.stdout else ""
+
+
+def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
+    """Where the build for this source, compiler, flags and CPU lives."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _compiler_version(compiler).encode(), " ".join(flags).encode(),
+                 _cpu_model().encode(), platform.machine().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent builds never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=600)
+        if done.returncode != 0:
+            first_error = next((line for line in done.stderr.splitlines() if "error" in line),
+                               done.stderr.strip()[:300])
+            raise KernelBuildError(f"compiling {SOURCE.name} failed: {first_error}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelBuildError(f"compiling {SOURCE.name} failed: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build_library(extra_flags: tuple[str, ...] = ()) -> LoadedLibrary:
+    """Build (if not cached) and load the kernels with ``extra_flags`` after the default flags
+    (e.g. ``("-mno-avx2",)`` builds the portable path on an AVX2 machine, as the tests do)."""
+    compiler = find_compiler()
+    flags = (*FLAGS, *extra_flags)
+    target = library_path(compiler, flags)
+    t0 = time.perf_counter()
+    built = not target.exists()
+    if built:
+        _compile(compiler, target, flags)
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise KernelBuildError(f"cannot load {target}: {exc}") from exc
+    version = library.hl_abi_version()
+    if version != ABI_VERSION:
+        raise KernelBuildError(f"{target.name} has ABI version {version}, expected {ABI_VERSION}")
+    return LoadedLibrary(library, target, time.perf_counter() - t0 if built else 0.0)
+
+
+@functools.cache
+def load_decode_library() -> LoadedLibrary:
+    """The kernels every model uses, built on first use and shared by the whole process."""
+    return build_library()

@@ -1,0 +1,749 @@
+// Native CPU kernels for one decode step (batch 1, one token) of a Llama-family layer.
+//
+// Built at run time by hybridllm.kernels.build with the host's C++ compiler
+// (-O3 -march=native -fopenmp) and called through ctypes by hybridllm.kernels.native.
+// No PyTorch headers: every tensor arrives as a raw pointer plus its sizes, and the structs
+// below mirror the ctypes.Structure classes in native.py field for field (ABI_VERSION guards
+// that pairing).
+//
+// Numerics: activations, norms, rotary, scores and softmax in float32. Float32 weights: the
+// results equal PyTorch's float32 computation up to summation order. Quantized weights on x86
+// (AVX2 and up): integer dot products of the codes with the activations written as two int8
+// digits per group of 32 (see Activation: ~15 bits per value, closer to the float product over
+// the dequantized weights than PyTorch's bfloat16 int4 kernel); other CPUs expand the codes to
+// float32 in registers. Nothing is ever stored dequantized.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int32_t ABI_VERSION = 1;
+constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
+
+enum WeightFormat : int32_t {
+  FORMAT_F32 = 0,        // weight (N, K) float32
+  FORMAT_Q4 = 1,         // weight (ceil(N/4), K/32, 80) uint8: blocks of 4 rows x 1 group, read in one
+                         //   stream: 4 x (scale, zero) bfloat16, then 4 x 16 code bytes (byte j of a
+                         //   row = q[j] | q[j+16] << 4); value = (q - 8) * scale + zero. scales unused.
+  FORMAT_Q8_ROWS = 2,    // weight (N, K) int8; scales (N,) float32: value = scale[n] * code
+  FORMAT_Q8_GROUPS = 3,  // weight (K/32, N, 32) int8; scales (K/32, N) float32: value = scale[g, n] * code
+};
+
+}  // namespace
+
+extern "C" {
+
+struct HLLinear {
+  int32_t format;
+  int32_t has_bias;
+  int64_t out_features;
+  int64_t in_features;
+  const void* weight;
+  const void* scales;
+  const float* bias;  // (N,) float32 when has_bias
+};
+
+struct HLDecoderLayer {
+  HLLinear qkv;      // (H + 2 Hkv) * D outputs: q heads, then k heads, then v heads
+  HLLinear o;        // H * D -> hidden
+  HLLinear gate_up;  // 2 * intermediate outputs: gate, then up
+  HLLinear down;     // intermediate -> hidden
+  const float* attn_norm;  // (hidden,)
+  const float* mlp_norm;   // (hidden,)
+  float eps;
+  int32_t n_heads;
+  int32_t n_kv_heads;
+  int32_t head_dim;
+  int64_t hidden;
+  int64_t intermediate;
+};
+
+// One layer's KV buffers ((Hkv, capacity, D) each, batch 1) and the row of this step's token.
+struct HLLayerCache {
+  float* keys;
+  float* values;
+  int64_t capacity;
+  int64_t start;
+};
+
+int32_t hl_abi_version() { return ABI_VERSION; }
+
+}  // extern "C"
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial
+// (relative error ~1e-7); branch-free so that the compiler vectorizes the loops calling it.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// ---- vectors ------------------------------------------------------------------------------
+// GCC/Clang vector extensions: one source that the compiler lowers to the widest registers
+// -march=native offers (one AVX-512 register, two AVX2 registers, or narrower).
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+template <typename V, typename T>
+inline V load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float sum16(f32x16 v) {
+  f32x8 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  const f32x8 s8 = lo + hi;
+  f32x4 a, b;
+  std::memcpy(&a, &s8, 16);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
+  const f32x4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+// Byte -> float widening. GCC scalarizes __builtin_convertvector from 8-bit lanes, so the x86
+// builds use the widening instructions directly; other targets keep the portable form.
+#if defined(__AVX512F__)
+template <typename V>
+inline f32x16 from_m512(V v) {
+  f32x16 r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
+inline f32x16 u8_to_f32(u8x16 v) {
+  __m128i bytes;
+  std::memcpy(&bytes, &v, 16);
+  return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+}
+inline f32x16 i8_to_f32(i8x16 v) {
+  __m128i bytes;
+  std::memcpy(&bytes, &v, 16);
+  return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+}
+#elif defined(__AVX2__)
+inline f32x16 join(__m256 lo, __m256 hi) {
+  f32x16 r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+}
+inline f32x16 u8_to_f32(u8x16 v) {
+  __m128i bytes;
+  std::memcpy(&bytes, &v, 16);
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+}
+inline f32x16 i8_to_f32(i8x16 v) {
+  __m128i bytes;
+  std::memcpy(&bytes, &v, 16);
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+}
+#else
+inline f32x16 u8_to_f32(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+inline f32x16 i8_to_f32(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+#endif
+
+// ---- rows of each weight format: ROWS output rows at once share the loads of x --------------
+constexpr int ROWS = 4;
+constexpr int64_t MAX_GROUPS = 1024;  // in_features / 32 of any projection (checked in native.py)
+constexpr int64_t Q4_BLOCK = ROWS * 4 + ROWS * 16;  // bytes of one group of a 4-row block
+
+// The input row of a product as each path reads it: float32 values, their per-group sums (the
+// zero-point terms of Q4), and (x86) two int8 digits per value for integer dot products:
+//   x ~= q_scales[g] * (q + q_low / 128),
+// q = round(x / scale) with scale = max|x_g| / 127, and q_low the rounded remainder in 1/128
+// steps (|q_low| <= 64). Two integer dots per group then carry ~15 bits of each activation
+// (one int8 digit alone, as llama.cpp uses, moves this model's logits ~20x more than bfloat16).
+struct Activation {
+  const float* x;
+  float sums[MAX_GROUPS];
+  float q_scales[MAX_GROUPS];
+  alignas(64) int8_t q[MAX_GROUPS * GROUP];
+  alignas(64) int8_t q_low[MAX_GROUPS * GROUP];
+
+  Activation(const float* values, int64_t k, bool quantize) : x(values) {
+    const int64_t groups = k / GROUP;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = values + g * GROUP;
+      float sum = 0.0f, amax = 0.0f;
+#pragma omp simd reduction(+ : sum) reduction(max : amax)
+      for (int j = 0; j < GROUP; ++j) {
+        sum += xg[j];
+        amax = std::max(amax, std::fabs(xg[j]));
+      }
+      sums[g] = sum;
+      if (!quantize) continue;
+      const float scale = amax / 127.0f;
+      const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+      q_scales[g] = scale;
+#pragma omp simd
+      for (int j = 0; j < GROUP; ++j) {
+        const float scaled = xg[j] * inverse;
+        const float high = std::nearbyint(scaled);
+        q[g * GROUP + j] = static_cast<int8_t>(high);
+        q_low[g * GROUP + j] = static_cast<int8_t>(std::nearbyint((scaled - high) * 128.0f));
+      }
+    }
+  }
+};
+
+// out[r] = W[r] . x for ROWS float32 rows starting at w (row stride k).
+void rows_f32(const float* w, const float* x, int64_t k, float* out) {
+  f32x16 acc[ROWS] = {};
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const f32x16 xv = load<f32x16>(x + i);
+    for (int r = 0; r < ROWS; ++r) acc[r] += load<f32x16>(w + r * k + i) * xv;
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float s = sum16(acc[r]);
+    for (int64_t j = i; j < k; ++j) s += w[r * k + j] * x[j];
+    out[r] = s;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool QUANTIZED_ACTIVATIONS = true;
+
+// 8 int32 lanes, each the sum of 4 products of unsigned bytes a and signed bytes b.
+inline __m256i dot_u8_s8(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));  // |a * b| * 2 < 2^15 here
+#endif
+}
+
+inline float sum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// Q4 rows: value = (q - 8) * scale + zero per group of 32, so row . x =
+//   sum_g scale_g * (q_g . x_g) + (zero_g - 8 scale_g) * sum(x_g).
+// q_g . x_g is an integer dot with the int8 copy of x; the zero-point term uses x's float sums.
+// `blocks` points at this row block's first (group) block of Q4_BLOCK bytes.
+void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* out) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  __m128 offsets = _mm_setzero_ps();
+  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+  alignas(16) float scales[ROWS];
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = blocks + g * Q4_BLOCK;
+    __builtin_prefetch(block + 8 * Q4_BLOCK);
+    const __m256 sz = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))), 16));
+    const __m128 lo = _mm256_castps256_ps128(sz), hi = _mm256_extractf128_ps(sz, 1);
+    const __m128 scale = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));  // s0 s1 s2 s3
+    const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
+    offsets = _mm_fmadd_ps(_mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero), _mm_set1_ps(a.sums[g]), offsets);
+    _mm_store_ps(scales, _mm_mul_ps(scale, _mm_set1_ps(a.q_scales[g] / 128.0f)));
+    const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
+    const __m256i xq_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+    const uint8_t* codes = block + ROWS * 4;
+#define HL_Q4_ROW(r, acc)                                                                                   \
+  {                                                                                                         \
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (r) * 16));                  \
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low_nibbles),                   \
+                                       _mm_and_si128(c, low_nibbles));                                      \
+    const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(q, xq), 7), dot_u8_s8(q, xq_low));      \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r]), acc);                          \
+  }
+    HL_Q4_ROW(0, acc0)
+    HL_Q4_ROW(1, acc1)
+    HL_Q4_ROW(2, acc2)
+    HL_Q4_ROW(3, acc3)
+#undef HL_Q4_ROW
+  }
+  alignas(16) float offset_sums[ROWS];
+  _mm_store_ps(offset_sums, offsets);
+  out[0] = sum8(acc0) + offset_sums[0];
+  out[1] = sum8(acc1) + offset_sums[1];
+  out[2] = sum8(acc2) + offset_sums[2];
+  out[3] = sum8(acc3) + offset_sums[3];
+}
+
+// One group of 32 signed codes w against the two int8 digits of the activations: 8 int32
+// partial sums of 128 * (w . q) + w . q_low.
+inline __m256i dot_s8_s8(const int8_t* w, __m256i xq, __m256i xq_low) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i magnitudes = _mm256_abs_epi8(codes);
+  return _mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(magnitudes, _mm256_sign_epi8(xq, codes)), 7),
+                          dot_u8_s8(magnitudes, _mm256_sign_epi8(xq_low, codes)));
+}
+
+// Q8 rows with one scale per row (k a multiple of 32); the caller applies the row scales.
+void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
+  __m256 acc[ROWS] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t i = 0; i < k; i += GROUP) {
+    const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + i));
+    const __m256i xq_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q_low + i));
+    const __m256 x_scale = _mm256_set1_ps(a.q_scales[i / GROUP] / 128.0f);
+    for (int r = 0; r < ROWS; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(w + r * k + i, xq, xq_low)), x_scale, acc[r]);
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = sum8(acc[r]);
+}
+
+// Q8 rows n..n+ROWS-1 of a (G, N, 32) table with (G, N) scales (the GGUF Q8_0 head).
+void rows_q8_groups(const int8_t* w, const float* scales, const Activation& a, int64_t n, int64_t n_rows,
+                    int64_t groups, float* out) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* wg = w + (g * n_rows + n) * GROUP;
+    __builtin_prefetch(wg + 16 * ROWS * GROUP);
+    __builtin_prefetch(wg + 16 * ROWS * GROUP + 64);
+    const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
+    const __m256i xq_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+    const __m128 row_scales = _mm_mul_ps(_mm_loadu_ps(scales + g * n_rows + n), _mm_set1_ps(a.q_scales[g] / 128.0f));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg, xq, xq_low)), _mm256_broadcastss_ps(row_scales), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg + GROUP, xq, xq_low)),
+                           _mm256_broadcastss_ps(_mm_shuffle_ps(row_scales, row_scales, 1)), acc1);
+    acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg + 2 * GROUP, xq, xq_low)),
+                           _mm256_broadcastss_ps(_mm_shuffle_ps(row_scales, row_scales, 2)), acc2);
+    acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg + 3 * GROUP, xq, xq_low)),
+                           _mm256_broadcastss_ps(_mm_shuffle_ps(row_scales, row_scales, 3)), acc3);
+  }
+  out[0] = sum8(acc0);
+  out[1] = sum8(acc1);
+  out[2] = sum8(acc2);
+  out[3] = sum8(acc3);
+}
+#else
+constexpr bool QUANTIZED_ACTIVATIONS = false;  // portable float path
+
+void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* out) {
+  f32x16 acc[ROWS] = {};
+  float offset_acc[ROWS] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = blocks + g * Q4_BLOCK;
+    const f32x16 x_lo = load<f32x16>(a.x + g * GROUP), x_hi = load<f32x16>(a.x + g * GROUP + 16);
+    uint16_t sz[2 * ROWS];
+    std::memcpy(sz, block, sizeof sz);
+    for (int r = 0; r < ROWS; ++r) {
+      const u8x16 c = load<u8x16>(block + ROWS * 4 + r * 16);
+      const f32x16 dot = u8_to_f32(c & 15) * x_lo + u8_to_f32(c >> 4) * x_hi;
+      const float scale = bf16_to_float(sz[2 * r]);
+      acc[r] += dot * scale;
+      offset_acc[r] += (bf16_to_float(sz[2 * r + 1]) - 8.0f * scale) * a.sums[g];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]) + offset_acc[r];
+}
+
+void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
+  f32x16 acc[ROWS] = {};
+  for (int64_t i = 0; i < k; i += 32) {
+    const f32x16 x_lo = load<f32x16>(a.x + i), x_hi = load<f32x16>(a.x + i + 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const int8_t* wr = w + r * k + i;
+      acc[r] += i8_to_f32(load<i8x16>(wr)) * x_lo + i8_to_f32(load<i8x16>(wr + 16)) * x_hi;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]);
+}
+
+void rows_q8_groups(const int8_t* w, const float* scales, const Activation& a, int64_t n, int64_t n_rows,
+                    int64_t groups, float* out) {
+  f32x16 acc[ROWS] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const f32x16 x_lo = load<f32x16>(a.x + g * GROUP), x_hi = load<f32x16>(a.x + g * GROUP + 16);
+    const int8_t* wg = w + (g * n_rows + n) * GROUP;
+    const float* sg = scales + g * n_rows + n;
+    for (int r = 0; r < ROWS; ++r) {
+      const f32x16 dot = i8_to_f32(load<i8x16>(wg + r * GROUP)) * x_lo + i8_to_f32(load<i8x16>(wg + r * GROUP + 16)) * x_hi;
+      acc[r] += dot * sg[r];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]);
+}
+#endif
+
+// The same for one row (the remainder when N is not a multiple of ROWS), plain loops.
+float row_tail(const HLLinear& w, const float* x, int64_t n) {
+  const int64_t k = w.in_features, groups = k / GROUP;
+  float s = 0.0f;
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t g = i / GROUP, j = i % GROUP;
+    float value;
+    switch (w.format) {
+      case FORMAT_F32:
+        value = static_cast<const float*>(w.weight)[n * k + i];
+        break;
+      case FORMAT_Q4: {
+        const uint8_t* block = static_cast<const uint8_t*>(w.weight) + ((n / ROWS) * groups + g) * Q4_BLOCK;
+        const uint8_t byte = block[ROWS * 4 + (n % ROWS) * 16 + j % 16];
+        const int q = j < 16 ? (byte & 15) : (byte >> 4);
+        uint16_t sz[2];
+        std::memcpy(sz, block + (n % ROWS) * 4, sizeof sz);
+        value = static_cast<float>(q - 8) * bf16_to_float(sz[0]) + bf16_to_float(sz[1]);
+        break;
+      }
+      case FORMAT_Q8_ROWS:
+        value = static_cast<const float*>(w.scales)[n] * static_cast<const int8_t*>(w.weight)[n * k + i];
+        break;
+      default:
+        value = static_cast<const float*>(w.scales)[g * w.out_features + n] *
+                static_cast<const int8_t*>(w.weight)[(g * w.out_features + n) * GROUP + j];
+        break;
+    }
+    s += value * x[i];
+  }
+  return s;
+}
+
+// out[n0:n1] of x @ W.T (+ bias).
+void linear_rows(const HLLinear& w, const Activation& a, float* out, int64_t n0, int64_t n1) {
+  const int64_t k = w.in_features;
+  const int64_t groups = k / GROUP;
+  int64_t n = n0;
+  for (; n + ROWS <= n1; n += ROWS) {
+    switch (w.format) {
+      case FORMAT_F32:
+        rows_f32(static_cast<const float*>(w.weight) + n * k, a.x, k, out + n);
+        break;
+      case FORMAT_Q4:
+        rows_q4(static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK, a, groups, out + n);
+        break;
+      case FORMAT_Q8_ROWS:
+        rows_q8(static_cast<const int8_t*>(w.weight) + n * k, a, k, out + n);
+        for (int r = 0; r < ROWS; ++r) out[n + r] *= static_cast<const float*>(w.scales)[n + r];
+        break;
+      default:  // FORMAT_Q8_GROUPS
+        rows_q8_groups(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), a, n,
+                       w.out_features, groups, out + n);
+        break;
+    }
+  }
+  for (; n < n1; ++n) out[n] = row_tail(w, a.x, n);
+  if (w.has_bias)
+    for (n = n0; n < n1; ++n) out[n] += w.bias[n];
+}
+
+// The rows of x @ W.T split in contiguous ranges, one per thread of the enclosing team (multiples
+// of 16 rows: whole cache lines of out), then a barrier. Called inside a parallel region (or by
+// one thread outside any). Each thread prepares x itself (sums, int8 copy): no extra barrier.
+void linear_team(const HLLinear& w, const float* x, float* out) {
+  const Activation a(x, w.format == FORMAT_F32 ? 0 : w.in_features, QUANTIZED_ACTIVATIONS);
+  const int64_t n = w.out_features;
+  const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+  const int64_t per = ((n + threads - 1) / threads + 15) / 16 * 16;
+  const int64_t n0 = std::min(n, t * per), n1 = std::min(n, n0 + per);
+  linear_rows(w, a, out, n0, n1);
+#pragma omp barrier
+}
+
+void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  float sum_sq = 0.0f;
+#pragma omp simd reduction(+ : sum_sq)
+  for (int64_t i = 0; i < n; ++i) sum_sq += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+// Rotate one head vector (D,) in place, "rotate half" layout: cos/sin are (D,) tables.
+void rotate_half(float* h, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  float rotated[512];
+  for (int64_t i = 0; i < half; ++i) {
+    rotated[i] = -h[i + half];
+    rotated[i + half] = h[i];
+  }
+  for (int64_t i = 0; i < d; ++i) h[i] = h[i] * cos[i] + rotated[i] * sin[i];
+}
+
+// scores[g * stride + t] = scale * q_g . key_t for the `group` queries sharing a KV head; each
+// key row is loaded once for all of them (GROUP_SIZE fixed so the accumulators stay in registers).
+template <int GROUP_SIZE>
+void score_chunk_fixed(const float* q, const float* keys, int64_t len, int64_t d, float scale, float* scores,
+                       int64_t stride) {
+  for (int64_t t = 0; t < len; ++t) {
+    const float* key = keys + t * d;
+    f32x16 dots[GROUP_SIZE] = {};
+    for (int64_t i = 0; i < d; i += 16) {
+      const f32x16 kv = load<f32x16>(key + i);
+      for (int g = 0; g < GROUP_SIZE; ++g) dots[g] += load<f32x16>(q + g * d + i) * kv;
+    }
+    for (int g = 0; g < GROUP_SIZE; ++g) scores[g * stride + t] = sum16(dots[g]) * scale;
+  }
+}
+
+void score_chunk(const float* q, const float* keys, int64_t len, int group, int64_t d, float scale, float* scores,
+                 int64_t stride) {
+  if (d % 16 == 0) {
+    switch (group) {
+      case 1: return score_chunk_fixed<1>(q, keys, len, d, scale, scores, stride);
+      case 2: return score_chunk_fixed<2>(q, keys, len, d, scale, scores, stride);
+      case 3: return score_chunk_fixed<3>(q, keys, len, d, scale, scores, stride);
+      case 4: return score_chunk_fixed<4>(q, keys, len, d, scale, scores, stride);
+      case 5: return score_chunk_fixed<5>(q, keys, len, d, scale, scores, stride);
+      case 6: return score_chunk_fixed<6>(q, keys, len, d, scale, scores, stride);
+      case 7: return score_chunk_fixed<7>(q, keys, len, d, scale, scores, stride);
+      case 8: return score_chunk_fixed<8>(q, keys, len, d, scale, scores, stride);
+      default: break;
+    }
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const float* key = keys + t * d;
+    for (int g = 0; g < group; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * key[i];
+      scores[g * stride + t] = s * scale;
+    }
+  }
+}
+
+// How attention over `total` tokens is cut into work items (kv head, token chunk): at least 8
+// items per thread so that a static split is balanced, each item at least 64 tokens.
+struct AttentionSplit {
+  int64_t chunk, n_chunks, items;
+  AttentionSplit(int64_t total, int n_kv_heads, int n_threads) {
+    const int64_t wanted_items = std::max<int64_t>(8 * n_threads, n_kv_heads);
+    const int64_t chunks_per_head = (wanted_items + n_kv_heads - 1) / n_kv_heads;
+    chunk = std::max<int64_t>(64, (total + chunks_per_head - 1) / chunks_per_head);
+    n_chunks = (total + chunk - 1) / chunk;
+    items = n_kv_heads * n_chunks;
+  }
+  static int64_t max_items(int n_kv_heads, int n_threads) {
+    const int64_t wanted_items = std::max<int64_t>(8 * n_threads, n_kv_heads);
+    return n_kv_heads * ((wanted_items + n_kv_heads - 1) / n_kv_heads);
+  }
+};
+
+// Scratch shared by a team for one layer step (allocated once per call, outside the region).
+struct Workspace {
+  std::vector<float> normed, qkv, attn, proj, gate_up, h, part_out, part_max, part_sum;
+  Workspace(const HLDecoderLayer& w, int n_threads) {
+    const int64_t d = w.head_dim, q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
+    const int64_t items = AttentionSplit::max_items(w.n_kv_heads, n_threads);
+    const int64_t group = w.n_heads / w.n_kv_heads;
+    normed.resize(w.hidden);
+    qkv.resize(q_size + 2 * kv_size);
+    attn.resize(q_size);
+    proj.resize(w.hidden);
+    gate_up.resize(2 * w.intermediate);
+    h.resize(w.hidden);
+    part_out.resize(items * group * d);
+    part_max.resize(items * group);
+    part_sum.resize(items * group);
+  }
+};
+
+// Grouped-query attention of one token's queries q (H, D) over keys/values 0..total-1 of a
+// cache laid out (Hkv, capacity, D), by the enclosing team. Work items are (kv head, token
+// chunk); each keeps its running max, sum and weighted values per query head, merged exactly
+// at the end. `scores` is the calling thread's own scratch.
+void attention_team(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
+                    int n_heads, int n_kv_heads, int head_dim, float* out, Workspace& ws,
+                    std::vector<float>& scores) {
+  const int group = n_heads / n_kv_heads;
+  const int64_t d = head_dim;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const AttentionSplit split(total, n_kv_heads, omp_get_num_threads());
+  const int64_t chunk = split.chunk, n_chunks = split.n_chunks;
+  if (static_cast<int64_t>(scores.size()) < group * chunk) scores.resize(group * chunk);
+  float* part_out = ws.part_out.data();
+  float* part_max = ws.part_max.data();
+  float* part_sum = ws.part_sum.data();
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < split.items; ++item) {
+    const int64_t kv_head = item / n_chunks;
+    const int64_t t0 = (item % n_chunks) * chunk;
+    const int64_t len = std::min(total, t0 + chunk) - t0;
+    const float* keys = k_cache + kv_head * capacity * d;
+    const float* values = v_cache + kv_head * capacity * d;
+    score_chunk(q + kv_head * group * d, keys + t0 * d, len, group, d, scale, scores.data(), chunk);
+    float* acc = part_out + item * group * d;
+    std::fill(acc, acc + group * d, 0.0f);
+    for (int g = 0; g < group; ++g) {
+      float* s = scores.data() + g * chunk;
+      float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+      for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < len; ++t) {
+        s[t] = exp_nonpositive(s[t] - m);
+        sum += s[t];
+      }
+      part_max[item * group + g] = m;
+      part_sum[item * group + g] = sum;
+    }
+    for (int64_t t = 0; t < len; ++t) {  // each value row is loaded once for the group's queries
+      const float* value = values + (t0 + t) * d;
+      for (int g = 0; g < group; ++g) {
+        const float p = scores[g * chunk + t];
+        float* a = acc + g * d;
+        int64_t i = 0;
+        for (; i + 16 <= d; i += 16) {
+          const f32x16 updated = load<f32x16>(a + i) + load<f32x16>(value + i) * p;
+          std::memcpy(a + i, &updated, sizeof updated);
+        }
+        for (; i < d; ++i) a[i] += p * value[i];
+      }
+    }
+  }  // implicit barrier: every item is done
+#pragma omp for schedule(static)
+  for (int h = 0; h < n_heads; ++h) {
+    const int64_t kv_head = h / group, g = h % group;
+    float m = -INFINITY;
+    for (int64_t c = 0; c < n_chunks; ++c) m = std::max(m, part_max[(kv_head * n_chunks + c) * group + g]);
+    float* o = out + h * d;
+    std::fill(o, o + d, 0.0f);
+    float total_sum = 0.0f;
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const int64_t slot = (kv_head * n_chunks + c) * group + g;
+      const float w = std::exp(part_max[slot] - m);
+      total_sum += w * part_sum[slot];
+      const float* a = part_out + slot * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+    }
+    const float inv = 1.0f / total_sum;
+    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+  }  // implicit barrier
+}
+
+// One decoder layer for one token at position `past`, by the enclosing team:
+//   x_out = h + mlp(norm(h)),  h = x + o(attention(rope(q), cache + rope(k), cache + v)),
+// writing the token's k and v into row `past` of the layer's cache (Hkv, capacity, D).
+// cos/sin: (D,) rotary tables of the position. x_in may alias x_out.
+void decode_layer_team(const HLDecoderLayer& w, const float* x_in, float* x_out, float* k_cache, float* v_cache,
+                       int64_t capacity, int64_t past, const float* cos, const float* sin, Workspace& ws,
+                       std::vector<float>& scores) {
+  const int64_t hidden = w.hidden, d = w.head_dim, inter = w.intermediate;
+  const int64_t q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
+#pragma omp single
+  rms_norm(x_in, w.attn_norm, w.eps, hidden, ws.normed.data());
+  linear_team(w.qkv, ws.normed.data(), ws.qkv.data());
+#pragma omp single
+  {
+    float* qkv = ws.qkv.data();
+    for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos, sin, d);
+    for (int64_t kv_head = 0; kv_head < w.n_kv_heads; ++kv_head) {
+      std::memcpy(k_cache + (kv_head * capacity + past) * d, qkv + q_size + kv_head * d, d * sizeof(float));
+      std::memcpy(v_cache + (kv_head * capacity + past) * d, qkv + q_size + kv_size + kv_head * d, d * sizeof(float));
+    }
+  }
+  attention_team(ws.qkv.data(), k_cache, v_cache, capacity, past + 1, w.n_heads, w.n_kv_heads, w.head_dim,
+                 ws.attn.data(), ws, scores);
+  linear_team(w.o, ws.attn.data(), ws.proj.data());
+#pragma omp single
+  {
+    for (int64_t i = 0; i < hidden; ++i) ws.h[i] = x_in[i] + ws.proj[i];
+    rms_norm(ws.h.data(), w.mlp_norm, w.eps, hidden, ws.normed.data());
+  }
+  linear_team(w.gate_up, ws.normed.data(), ws.gate_up.data());
+#pragma omp single
+  {
+    float* gate = ws.gate_up.data();
+    const float* up = gate + inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {  // silu(gate) * up, with exp of -|gate| only (no overflow)
+      const float g = gate[i];
+      const float e = exp_nonpositive(-std::fabs(g));
+      const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+      gate[i] = g * sigmoid * up[i];
+    }
+  }
+  linear_team(w.down, ws.gate_up.data(), ws.proj.data());
+#pragma omp single
+  for (int64_t i = 0; i < hidden; ++i) x_out[i] = ws.h[i] + ws.proj[i];
+}
+
+}  // namespace
+
+extern "C" {
+
+// out = x @ W.T (+ bias) for one row x (in_features,).
+void hl_linear(const HLLinear* w, const float* x, float* out, int32_t n_threads) {
+#pragma omp parallel num_threads(n_threads)
+  linear_team(*w, x, out);
+}
+
+// Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens -> out (H, D).
+void hl_attention(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
+                  int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float* out, int32_t n_threads) {
+  HLDecoderLayer shape{};
+  shape.n_heads = n_heads;
+  shape.n_kv_heads = n_kv_heads;
+  shape.head_dim = head_dim;
+  Workspace ws(shape, n_threads);
+#pragma omp parallel num_threads(n_threads)
+  {
+    std::vector<float> scores;
+    attention_team(q, k_cache, v_cache, capacity, total, n_heads, n_kv_heads, head_dim, out, ws, scores);
+  }
+}
+
+// One decoder layer for one token (see decode_layer_team).
+void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_out, float* k_cache, float* v_cache,
+                     int64_t capacity, int64_t past, const float* cos, const float* sin, int32_t n_threads) {
+  Workspace ws(*layer, n_threads);
+#pragma omp parallel num_threads(n_threads)
+  {
+    std::vector<float> scores;
+    decode_layer_team(*layer, x_in, x_out, k_cache, v_cache, capacity, past, cos, sin, ws, scores);
+  }
+}
+
+// A whole decode step after the embedding, in one parallel region: every layer in order (each
+// with its cache slot), the final norm and the head. x (hidden,) is overwritten; logits (N,).
+void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, float* x,
+                     const float* cos, const float* sin, const float* final_norm, float eps, const HLLinear* head,
+                     float* logits, int32_t n_threads) {
+  Workspace ws(layers[0], n_threads);  // every layer of a model has the same shapes
+#pragma omp parallel num_threads(n_threads)
+  {
+    std::vector<float> scores;
+    for (int64_t i = 0; i < n_layers; ++i) {
+      const HLLayerCache& c = caches[i];
+      decode_layer_team(layers[i], x, x, c.keys, c.values, c.capacity, c.start, cos, sin, ws, scores);
+    }
+#pragma omp single
+    rms_norm(x, final_norm, eps, layers[0].hidden, ws.normed.data());
+    linear_team(*head, ws.normed.data(), logits);
+  }
+}
+
+}  // extern "C"

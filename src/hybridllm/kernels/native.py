@@ -1,0 +1,382 @@
+"""Native decode steps on the host: each host layer's one-token step in one C++ call.
+
+    report = enable_native_decode(model)   # a transform, like fuse_projections
+    report.layers                          # how many layers got a native step
+
+A decode step of a Llama layer in eager PyTorch is ~190 operator calls (norms, projections,
+rotary, cache writes, attention, MLP), and at small models the per-call cost (Python, dispatch,
+thread wake-ups) is most of the step. :func:`enable_native_decode` gives every decoder layer
+whose weights live on the CPU a :class:`NativeDecodeLayer`: the layer's weights described once
+as raw pointers for ``hl_decode_layer`` (``decode.cpp``), which runs the whole layer (norm,
+q/k/v, rotary, writing k/v into the cache, grouped-query attention, output projection, MLP) for
+batch 1 and one token, its row loops split over the threads with OpenMP. The tied or separate
+output head gets the same treatment (``hl_linear``).
+
+The step is taken only when it applies, otherwise the layer runs its PyTorch code:
+batch 1, one token, float32 activations, and a cache whose layer can be written in place
+(:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on the
+host). Prefill chunks, batches, GPU layers and the paged/tiered/quantized strategies keep the
+PyTorch path.
+
+Weights the kernels read:
+
+- float32 ``nn.Linear``: the weight itself (no copy);
+- ``Int4Linear``: a copy in blocks of 4 rows x 32 inputs (:func:`pack_int4_blocks`: their
+  bfloat16 scale/zero, the values the PyTorch kernel uses, then GGUF-style nibbles), made once:
+  the PyTorch packed layout is private to its kernel, and one sequential stream per thread
+  reads faster than one stream per row. The copy is registered as buffers of the layer, so it is counted in the
+  host tier's weight bytes;
+- ``Int8Linear`` codes (no copy) with float32 row scales; the ``Int8GroupedLinear`` head/
+  embedding table (no copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
+from hybridllm.kvcache.base import KVCache
+from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+FORMAT_F32, FORMAT_Q4, FORMAT_Q8_ROWS, FORMAT_Q8_GROUPS = 0, 1, 2, 3
+MAX_HEAD_DIM = 512  # decode.cpp's rotary scratch
+MAX_GROUPS = 1024  # decode.cpp's Activation: in_features up to 32768
+
+
+class HLLinear(ctypes.Structure):
+    _fields_ = [
+        ("format", ctypes.c_int32),
+        ("has_bias", ctypes.c_int32),
+        ("out_features", ctypes.c_int64),
+        ("in_features", ctypes.c_int64),
+        ("weight", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class HLDecoderLayer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", HLLinear),
+        ("o", HLLinear),
+        ("gate_up", HLLinear),
+        ("down", HLLinear),
+        ("attn_norm", ctypes.c_void_p),
+        ("mlp_norm", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("n_heads", ctypes.c_int32),
+        ("n_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+    ]
+
+
+class HLLayerCache(ctypes.Structure):
+    _fields_ = [
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        ("capacity", ctypes.c_int64),
+        ("start", ctypes.c_int64),
+    ]
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Argument types of the exported functions (ctypes then converts ints and pointers)."""
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    library.hl_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i32]
+    library.hl_linear.restype = None
+    library.hl_attention.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr, i32]
+    library.hl_attention.restype = None
+    library.hl_decode_layer.argtypes = [ctypes.POINTER(HLDecoderLayer), ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
+    library.hl_decode_layer.restype = None
+    library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, ptr, ptr,
+                                        ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
+    library.hl_decode_model.restype = None
+    return library
+
+
+def kernels() -> ctypes.CDLL:
+    """The loaded kernel library with its argument types declared (built on first use)."""
+    return _declare(load_decode_library().library)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, total: int, threads: int | None = None,
+              library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """One token's queries q (H, D) over the first ``total`` rows of keys/values (Hkv, capacity, D),
+    all float32 -> (H, D): ``hl_attention``, the kernel inside every native layer step."""
+    library = _declare(library) if library is not None else kernels()
+    q, keys, values = q.float().contiguous(), keys.float().contiguous(), values.float().contiguous()
+    (n_heads, head_dim), (n_kv_heads, capacity, _) = q.shape, keys.shape
+    out = torch.empty_like(q)
+    library.hl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), capacity, total, n_heads, n_kv_heads,
+                         head_dim, out.data_ptr(), threads or torch.get_num_threads())
+    return out
+
+
+# ---- weights as the kernels read them ------------------------------------------------------
+ROWS = 4  # rows per Q4 block (decode.cpp's ROWS)
+
+
+def pack_int4_blocks(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """int4 rows in decode.cpp's streaming layout: (ceil(N/4), K/32, 80) bytes.
+
+    Args:
+        codes: (N, K) codes 0..15.
+        scales_and_zeros: (K/32, N, 2) scale and zero per group (value = (q - 8) * scale + zero).
+    Each 80-byte block holds one group of 4 consecutive rows: their (scale, zero) as bfloat16
+    pairs (16 bytes), then their codes (16 bytes each; byte j = q[j] | q[j + 16] << 4), so a
+    thread reads its rows as one sequential stream.
+    """
+    n, k = codes.shape
+    groups = k // GROUP
+    padded = -(-n // ROWS) * ROWS
+    q = codes.to(torch.uint8).reshape(n, groups, GROUP)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)  # (N, G, 16)
+    sz = scales_and_zeros.to(torch.bfloat16).transpose(0, 1).contiguous().view(torch.uint8)  # (N, G, 4)
+    if padded != n:
+        nibbles = torch.cat((nibbles, nibbles.new_zeros(padded - n, groups, 16)))
+        sz = torch.cat((sz, sz.new_zeros(padded - n, groups, 4)))
+    nibbles = nibbles.reshape(padded // ROWS, ROWS, groups, 16).transpose(1, 2).reshape(padded // ROWS, groups, -1)
+    sz = sz.reshape(padded // ROWS, ROWS, groups, 4).transpose(1, 2).reshape(padded // ROWS, groups, -1)
+    return torch.cat((sz, nibbles), dim=-1).contiguous()  # (N/4, G, 16 + 64)
+
+
+@dataclass
+class LinearView:
+    """One projection as the kernels see it; ``keep`` holds the tensors the pointers point into."""
+
+    struct: HLLinear
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+def linear_view(module: nn.Module) -> LinearView:
+    """Describe a float32 / int4 / int8 linear module for the kernels (raises ValueError if unsupported)."""
+    bias = getattr(module, "bias", None)
+    bias = None if bias is None else bias.detach().float().contiguous()
+    if isinstance(module, Int4Linear):
+        if module.group_size != GROUP:
+            raise ValueError(f"int4 group size {module.group_size} (native kernels: {GROUP})")
+        weight = pack_int4_blocks(module.unpack_codes().cpu(), module.scales_and_zeros.cpu())
+        scales, fmt = None, FORMAT_Q4
+    elif isinstance(module, Int8Linear):
+        weight, scales, fmt = module.weight.contiguous(), module.scales.float().contiguous(), FORMAT_Q8_ROWS
+    elif isinstance(module, Int8GroupedLinear):
+        if module.group_size != GROUP:
+            raise ValueError(f"int8 group size {module.group_size} (native kernels: {GROUP})")
+        weight, scales, fmt = module.weight.contiguous(), module.scales.contiguous(), FORMAT_Q8_GROUPS
+    elif isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+        weight, scales, fmt = module.weight.detach().contiguous(), None, FORMAT_F32
+    else:
+        raise ValueError(f"no native kernel for {type(module).__name__} ({getattr(module, 'weight', None)!r:.40})")
+    out_features, in_features = module.out_features, module.in_features
+    if fmt != FORMAT_F32 and in_features % GROUP:
+        raise ValueError(f"in_features {in_features} is not a multiple of {GROUP}")
+    if in_features > MAX_GROUPS * GROUP:
+        raise ValueError(f"in_features {in_features} exceeds the kernels' {MAX_GROUPS * GROUP}")
+    keep = [t for t in (weight, scales, bias) if t is not None]
+    if any(t.device.type != "cpu" for t in keep):
+        raise ValueError("weights are not on the CPU")
+    struct = HLLinear(fmt, int(bias is not None), out_features, in_features, weight.data_ptr(),
+                      0 if scales is None else scales.data_ptr(), 0 if bias is None else bias.data_ptr())
+    return LinearView(struct, keep)
+
+
+def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
+           library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` (..., K) float32 rows through the kernel one at a time -> (..., N) float32."""
+    rows = x.reshape(-1, view.struct.in_features).float().contiguous()  # (M, K)
+    out = torch.empty(rows.shape[0], view.struct.out_features, dtype=torch.float32)  # (M, N)
+    library = _declare(library) if library is not None else kernels()
+    n_threads = threads or torch.get_num_threads()
+    for i in range(rows.shape[0]):
+        library.hl_linear(ctypes.byref(view.struct), rows[i].data_ptr(), out[i].data_ptr(), n_threads)
+    return out.reshape(*x.shape[:-1], view.struct.out_features)
+
+
+def _not_copied(native: object, memo: dict) -> None:
+    """A copy of a model gets no native steps: they point at the original's tensors (and may
+    describe another device). The copy's owner applies the transform again (as ``LLM`` does to
+    the host decode copy); the attribute becomes None, which the model reads as "not native"."""
+    memo[id(native)] = None
+    return None
+
+
+# ---- one decoder layer ---------------------------------------------------------------------
+class NativeDecodeLayer(nn.Module):
+    """A decoder layer's one-token step in one kernel call; its int4 copies are its buffers."""
+
+    def __init__(self, layer: nn.Module, library: ctypes.CDLL) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
+            raise ValueError("projections are not fused (fuse_projections first)")
+        if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
+            raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
+            raise ValueError("norms are not float32 on the CPU")
+        views = [linear_view(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        for i, view in enumerate(views):  # int4 row copies are real host memory: count them
+            for j, tensor in enumerate(view.keep):
+                if not any(tensor.data_ptr() == t.data_ptr() for t in layer.parameters()) and \
+                        not any(tensor.data_ptr() == t.data_ptr() for t in layer.buffers()):
+                    self.register_buffer(f"copy_{i}_{j}", tensor, persistent=False)
+        self.library = library
+        self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
+        self.layer_idx = attn.layer_idx
+        self.struct = HLDecoderLayer(
+            views[0].struct, views[1].struct, views[2].struct, views[3].struct,
+            norms[0].data_ptr(), norms[1].data_ptr(), layer.input_layernorm.eps,
+            attn.n_heads, attn.n_kv_heads, attn.head_dim, norms[0].numel(), mlp.down_proj.in_features)
+        self._keep = [t for view in views for t in view.keep]
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x (1, 1, hidden) float32 on the CPU -> the layer's output; appends this token's k/v."""
+        slot = cache.in_place_slot(self.layer_idx, 1)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.library.hl_decode_layer(ctypes.byref(self.struct), x.data_ptr(), out.data_ptr(), slot.keys.data_ptr(),
+                                     slot.values.data_ptr(), slot.keys.shape[2], slot.start,
+                                     cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+                                     torch.get_num_threads())
+        return out
+
+    def applies(self, x: torch.Tensor, cos: torch.Tensor, cache: KVCache) -> bool:
+        """Whether this step can run natively (else the layer's PyTorch code runs)."""
+        return (x.shape[0] == 1 and x.shape[1] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+                and cos.dtype == torch.float32 and cache.supports_in_place(self.layer_idx))
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, kernel=hl_decode_layer"
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return _not_copied(self, memo)
+
+
+class NativeHead(nn.Module):
+    """The output head's one-row product through ``hl_linear`` (other shapes: the module itself)."""
+
+    def __init__(self, head: nn.Module, library: ctypes.CDLL) -> None:
+        super().__init__()
+        self.view = linear_view(head)
+        self.library = library
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return x.shape[:-1].numel() == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return _not_copied(self, memo)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        row = x.reshape(-1).contiguous()
+        out = torch.empty(*x.shape[:-1], self.view.struct.out_features, dtype=torch.float32)
+        self.library.hl_linear(ctypes.byref(self.view.struct), row.data_ptr(), out.data_ptr(),
+                               torch.get_num_threads())
+        return out
+
+
+class NativeModel:
+    """A whole decode step (every layer, final norm, head) in one kernel call.
+
+    Used by ``LlamaForCausalLM.forward`` when every layer and the head have native steps and
+    the cache serves every layer in place: per token, Python only looks up the embedding and
+    the rotary tables and claims each layer's cache row.
+    """
+
+    def __init__(self, model: nn.Module, layers: list[NativeDecodeLayer], head: NativeHead,
+                 library: ctypes.CDLL) -> None:
+        self.library = library
+        self.layers = layers
+        self.structs = (HLDecoderLayer * len(layers))(*(layer.struct for layer in layers))
+        self.caches = (HLLayerCache * len(layers))()
+        self.head = head
+        self.final_norm = model.model.norm
+        # Hidden-state bytes a step moves between tiers (counted as the PyTorch path counts them).
+        tiers = [model.embed_tier, *model.layer_tiers, model.head_tier]
+        self.tier_changes = sum(a != b for a, b in zip(tiers, tiers[1:]))
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return _not_copied(self, memo)
+
+    def applies(self, input_ids: torch.Tensor, cache: KVCache) -> bool:
+        return (input_ids.shape == (1, 1) and input_ids.device.type == "cpu"
+                and all(cache.supports_in_place(layer.layer_idx) for layer in self.layers))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x: the token's embedding (1, 1, hidden) float32 -> logits (1, 1, vocab) float32."""
+        for i, layer in enumerate(self.layers):
+            slot = cache.in_place_slot(layer.layer_idx, 1)
+            entry = self.caches[i]
+            entry.keys, entry.values = slot.keys.data_ptr(), slot.values.data_ptr()
+            entry.capacity, entry.start = slot.keys.shape[2], slot.start
+        x = x.reshape(-1).float().clone()  # (hidden,), overwritten by the kernel
+        logits = torch.empty(1, 1, self.head.view.struct.out_features, dtype=torch.float32)
+        self.library.hl_decode_model(self.structs, self.caches, len(self.layers), x.data_ptr(),
+                                     cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+                                     self.final_norm.weight.data_ptr(), self.final_norm.eps,
+                                     ctypes.byref(self.head.view.struct), logits.data_ptr(), torch.get_num_threads())
+        return logits
+
+
+# ---- the transform -------------------------------------------------------------------------
+@dataclass
+class NativeReport:
+    """What :func:`enable_native_decode` did."""
+
+    layers: int = 0
+    head: bool = False
+    whole_step: bool = False  # one kernel call per token (every layer and the head native)
+    build_seconds: float = 0.0
+    copy_bytes: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+
+def enable_native_decode(model: nn.Module) -> NativeReport:
+    """Give every CPU-resident float32 layer (and the head) a native decode step, in place.
+
+    The kernels read one stacked q/k/v and gate/up projection per layer: run
+    :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers are skipped). Raises :class:`KernelBuildError` when the kernels cannot be built; layers the kernels do
+    not support are listed in ``report.skipped`` and keep their PyTorch step.
+    """
+    loaded: LoadedLibrary = load_decode_library()
+    library = _declare(loaded.library)
+    report = NativeReport(build_seconds=loaded.build_seconds)
+    for layer in model.model.layers:
+        if layer.input_layernorm.weight.device.type != "cpu":
+            continue
+        try:
+            native = NativeDecodeLayer(layer, library)
+        except ValueError as exc:
+            report.skipped.append(f"layer {layer.self_attn.layer_idx}: {exc}")
+            continue
+        layer.native_step = native
+        report.layers += 1
+        report.copy_bytes += sum(b.numel() * b.element_size() for b in native.buffers())
+    head = model.lm_head
+    if head.weight.device.type == "cpu":
+        try:
+            model.native_head = NativeHead(head, library)
+            report.head = True
+        except ValueError as exc:
+            report.skipped.append(f"head: {exc}")
+    natives = [layer._modules.get("native_step") for layer in model.model.layers]
+    if report.head and all(n is not None for n in natives) and \
+            model.model.norm.weight.dtype == torch.float32 and model.model.norm.weight.device.type == "cpu":
+        model.native_model = NativeModel(model, natives, model.native_head, library)
+        report.whole_step = True
+    if report.skipped:
+        logger.info("native decode: kept the PyTorch step for %s", "; ".join(report.skipped))
+    return report
+
+
+__all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "attention",
+           "enable_native_decode", "linear", "linear_view", "pack_int4_blocks"]

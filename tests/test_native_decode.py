@@ -1,0 +1,373 @@
+"""Native decode kernels (``hybridllm.kernels``): each kernel against its PyTorch reference, the
+native decode step against the PyTorch step (float, int4, int8 weights; every tiny architecture),
+where it applies and where the PyTorch step must run instead, and the fallback when the kernels
+cannot be built. No wall-time assertions.
+
+The kernels need a C++ compiler; without one these tests are skipped (like the CUDA ones) and
+the engine runs its PyTorch steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hybridllm.engine.speed import apply_speed_transforms
+from hybridllm.kernels import build, native
+from hybridllm.kvcache import DynamicCache, KVSpec
+from hybridllm.kvcache.attention import causal_attention
+from hybridllm.loading.loader import load_model
+from hybridllm.loading.registry import open_checkpoint
+from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, quantize_model
+
+from conftest import ARCHS
+
+CPU = torch.device("cpu")
+
+try:
+    build.find_compiler()
+    HAVE_COMPILER = True
+except build.KernelBuildError:
+    HAVE_COMPILER = False
+pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="needs a C++ compiler for the native kernels")
+
+
+@pytest.fixture(scope="module")
+def portable_library():
+    """The kernels built without x86 vector extensions: the path of other CPUs."""
+    return build.build_library(("-mno-avx2", "-mno-fma")).library
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+def _module(kind: str, n: int, k: int) -> torch.nn.Module:
+    weight = torch.randn(n, k, generator=_gen(n + k))
+    bias = torch.randn(n, generator=_gen(1)) if kind.endswith("bias") else None
+    if kind.startswith("float"):
+        module = torch.nn.Linear(k, n, bias=bias is not None)
+        module.weight.data, module.bias = weight, None if bias is None else torch.nn.Parameter(bias)
+        return module
+    if kind.startswith("int4"):
+        return Int4Linear.from_float(weight, bias)
+    if kind == "int8":
+        return Int8Linear.from_float(weight)
+    return Int8GroupedLinear.from_float(weight)
+
+
+def _reference(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight = module.weight if isinstance(module, torch.nn.Linear) else module.dequantize()
+    out = x @ weight.float().T
+    return out if getattr(module, "bias", None) is None else out + module.bias
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("kind, n, k", [
+    ("float", 98, 100),  # rows beyond the 4-row blocks, inputs beyond the 16-wide vectors
+    ("float_bias", 64, 576),
+    ("int4", 96, 576),
+    ("int4_bias", 160, 1536),
+    ("int8", 98, 128),
+    ("int8_groups", 98, 576),  # the Q8_0 head/embedding table
+])
+def test_linear_kernel_matches_the_dequantized_product(kind, n, k, portable, request):
+    library = request.getfixturevalue("portable_library") if portable else None
+    module = _module(kind, n, k)
+    x = torch.randn(3, k, generator=_gen(7))
+    out = native.linear(native.linear_view(module), x, library=library)
+    expected = _reference(module, x)
+    if kind.startswith("float") or portable:  # float32 products: summation order only
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    else:  # integer dots over two int8 digits per activation (~15 bits)
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(out, expected, atol=5e-4 * scale, rtol=1e-3)
+
+
+def test_int4_blocks_pad_rows_beyond_a_block():
+    n, k = 98, 64  # Int4Linear needs N % 16 == 0; the block layout itself takes any N
+    codes = torch.randint(0, 16, (n, k), generator=_gen(2), dtype=torch.uint8)
+    scales_and_zeros = torch.rand(k // 32, n, 2, generator=_gen(3)).to(torch.bfloat16)
+    blocks = native.pack_int4_blocks(codes, scales_and_zeros)
+    assert blocks.shape == (25, 2, 80)
+    view = native.LinearView(native.HLLinear(native.FORMAT_Q4, 0, n, k, blocks.data_ptr(), 0, 0), [blocks])
+    sz = scales_and_zeros.float()
+    weight = ((codes.float().reshape(n, 2, 32) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None])
+    x = torch.randn(1, k, generator=_gen(4))
+    expected = x @ weight.reshape(n, k).T
+    torch.testing.assert_close(native.linear(view, x), expected, atol=5e-4 * expected.abs().max().item(), rtol=1e-3)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, total", [
+    (9, 3, 64, 1),      # the first token
+    (9, 3, 64, 1000),   # many chunks per KV head
+    (8, 8, 32, 70),     # no grouping
+    (14, 2, 64, 300),   # 7 queries per KV head (Qwen2-0.5B)
+    (16, 1, 128, 200),  # 16 queries per KV head: the generic score loop
+    (4, 2, 40, 50),     # a head size that is not a multiple of 16
+])
+def test_attention_kernel_matches_causal_attention(n_heads, n_kv_heads, head_dim, total, portable, request):
+    library = request.getfixturevalue("portable_library") if portable else None
+    gen = _gen(total + head_dim)
+    capacity = total + 17  # rows beyond `total` must be ignored
+    q = torch.randn(n_heads, head_dim, generator=gen)
+    keys = torch.randn(n_kv_heads, capacity, head_dim, generator=gen) * 3
+    values = torch.randn(n_kv_heads, capacity, head_dim, generator=gen)
+    out = native.attention(q, keys, values, total, library=library)
+    expected = causal_attention(q[None, :, None], keys[None, :, :total], values[None, :, :total], total - 1)
+    torch.testing.assert_close(out, expected[0, :, 0], atol=2e-5, rtol=2e-5)
+
+
+# ---- the decode step ----------------------------------------------------------------------------
+def _load(tiny_models, arch: str, weights: str = "float"):
+    folder = tiny_models[arch][0]
+    model = load_model(open_checkpoint(folder), torch.float32, lambda n: CPU)
+    if weights != "float":
+        quantize_model(model, weights)
+    return model
+
+
+def _cache(model, **kwargs) -> DynamicCache:
+    c = model.config
+    return DynamicCache(KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU,
+                               max_tokens=c.max_position_embeddings), page_size=16, **kwargs)
+
+
+def _greedy(model, cache, steps: int = 12, prompt: int = 20) -> tuple[torch.Tensor, list[int]]:
+    """Prefill a seeded prompt, then ``steps`` greedy tokens; the decode steps' logits (steps, vocab)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=_gen(5))
+    with torch.inference_mode():
+        last = model(ids, cache, 0)
+        logits, tokens = [], []
+        for _ in range(steps):
+            token = int(last[0, -1].argmax())
+            tokens.append(token)
+            last = model(torch.tensor([[token]]), cache, cache.seq_length)
+            logits.append(last[0, -1])
+    return torch.stack(logits), tokens
+
+
+def _count_native_steps(monkeypatch) -> dict[str, int]:
+    counts = {"model": 0, "layer": 0}
+    model_decode, layer_step = native.NativeModel.decode, native.NativeDecodeLayer.step
+
+    def counting_decode(self, *args):
+        counts["model"] += 1
+        return model_decode(self, *args)
+
+    def counting_step(self, *args):
+        counts["layer"] += 1
+        return layer_step(self, *args)
+
+    monkeypatch.setattr(native.NativeModel, "decode", counting_decode)
+    monkeypatch.setattr(native.NativeDecodeLayer, "step", counting_step)
+    return counts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_decode_equals_the_pytorch_step_on_float_weights(tiny_models, arch, monkeypatch):
+    reference = _load(tiny_models, arch)
+    apply_speed_transforms(reference, fuse=True, native_decode=False)
+    model = _load(tiny_models, arch)
+    apply_speed_transforms(model, fuse=True, native_decode=True)
+    report = model.speed_report.native
+    assert report.layers == model.config.n_layers and report.head and report.whole_step
+    assert report.copy_bytes == 0  # float32 weights are read in place
+    counts = _count_native_steps(monkeypatch)
+    expected_logits, expected_tokens = _greedy(reference, _cache(reference))
+    logits, tokens = _greedy(model, _cache(model))
+    assert counts["model"] == 12  # every decode step ran natively, in one call
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_native_decode_of_quantized_weights_matches_their_float_product(tiny_models, weights):
+    model = _load(tiny_models, "llama", weights)
+    apply_speed_transforms(model, fuse=True, native_decode=True)
+    assert model.speed_report.native.whole_step
+    # The reference: the same model with every quantized projection dequantized to float32.
+    reference = _load(tiny_models, "llama", weights)
+    apply_speed_transforms(reference, fuse=True, native_decode=False)
+    for layer in reference.model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            quantized = getattr(parent, name)
+            dense = torch.nn.Linear(quantized.in_features, quantized.out_features, bias=quantized.bias is not None)
+            dense.weight.data = quantized.dequantize().float()
+            if quantized.bias is not None:
+                dense.bias.data = quantized.bias.float()
+            setattr(parent, name, dense)
+    head = reference.lm_head  # int8 groups (Q8_0)
+    reference.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    reference.lm_head.weight.data = head.dequantize().float()
+    # A one-token prompt: every step, the first included, is a decode step (the prefill of longer
+    # prompts runs PyTorch's bfloat16 int4 kernel, which would differ from both).
+    expected_logits, expected_tokens = _greedy(reference, _cache(reference), prompt=1)
+    logits, tokens = _greedy(model, _cache(model), prompt=1)
+    assert tokens == expected_tokens
+    scale = expected_logits.abs().max().item()
+    torch.testing.assert_close(logits, expected_logits, atol=2e-3 * scale, rtol=1e-3)
+
+
+def test_int4_copies_count_as_host_weight_bytes(tiny_models):
+    from hybridllm.placement.apply import weight_bytes_per_tier
+
+    model = _load(tiny_models, "llama", "int4")
+    apply_speed_transforms(model, fuse=True, native_decode=False)
+    before = weight_bytes_per_tier(model)
+    apply_speed_transforms(model, fuse=True, native_decode=True)
+    copies = model.speed_report.native.copy_bytes
+    assert copies > 0
+    after = weight_bytes_per_tier(model)
+    assert sum(after.values()) - sum(before.values()) == copies
+
+
+def test_layers_the_kernels_cannot_run_keep_their_pytorch_step(tiny_models, monkeypatch):
+    reference = _load(tiny_models, "llama")
+    apply_speed_transforms(reference, fuse=True, native_decode=False)
+    model = _load(tiny_models, "llama")
+    fused = apply_speed_transforms(model, fuse=True, native_decode=False)
+    # A projection in a format the kernels do not read (bfloat16 weights computing in float32).
+    layer0 = fused.model.layers[0].self_attn
+    layer0.o_proj = _Bf16Linear(layer0.o_proj)
+    reference.model.layers[0].self_attn.o_proj = _Bf16Linear(reference.model.layers[0].self_attn.o_proj)
+    apply_speed_transforms(model, fuse=True, native_decode=True)
+    report = model.speed_report.native
+    assert report.layers == model.config.n_layers - 1 and not report.whole_step
+    assert any(note.startswith("layer 0:") for note in report.skipped)
+    counts = _count_native_steps(monkeypatch)
+    expected_logits, expected_tokens = _greedy(reference, _cache(reference), steps=6)
+    logits, tokens = _greedy(model, _cache(model), steps=6)
+    assert counts["model"] == 0 and counts["layer"] == 6 * (model.config.n_layers - 1)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+class _Bf16Linear(torch.nn.Module):
+    """A float32-in, float32-out projection whose weight is stored in bfloat16."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.in_features, self.out_features, self.bias = linear.in_features, linear.out_features, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.float().T
+
+
+@pytest.mark.parametrize("kv_cache", ["tiered", "quantized", "offloaded"])
+def test_strategies_without_in_place_slots_run_the_pytorch_step(tiny_models, kv_cache, monkeypatch):
+    from hybridllm import LLM, SamplingParams
+
+    counts = _count_native_steps(monkeypatch)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    gguf = str(tiny_models["llama"][1])
+    native_llm = LLM(gguf, threads=2, kv_cache=kv_cache)
+    plain_llm = LLM(gguf, threads=2, kv_cache=kv_cache, native_decode=False)
+    assert native_llm.model.speed_report.native.whole_step
+    assert native_llm.generate("Hello", params).token_ids == plain_llm.generate("Hello", params).token_ids
+    assert counts == {"model": 0, "layer": 0}
+
+
+def test_split_placement_counts_the_same_hops_natively(tiny_models, monkeypatch):
+    from hybridllm import LLM, SamplingParams
+
+    counts = _count_native_steps(monkeypatch)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    results = []
+    for native_decode in (True, False):
+        # The CPU plays the device: layer 0 in the device tier, layer 1 and the head on the host.
+        llm = LLM(str(tiny_models["llama"][1]), threads=2, n_gpu_layers=1, native_decode=native_decode)
+        llm.model.hop_bytes = 0
+        result = llm.generate("The sky is", params)
+        results.append((result.token_ids, llm.model.hop_bytes))
+    assert counts["model"] == 7  # decode steps after the first token, all native
+    assert results[0] == results[1]
+    assert results[0][1] > 0
+
+
+def test_default_model_int4_native_decode_is_closer_to_exact_than_pytorch():
+    """On the default model's Q4_1/Q8_0 weights, native decode logits stay at least as close to
+    the float product over the dequantized weights as PyTorch's bfloat16 int4 kernel."""
+    from hybridllm import LLM
+
+    def decode_logits(llm) -> torch.Tensor:
+        ids = torch.randint(0, 5000, (1, 40), generator=_gen(1))
+        cache = llm.new_cache()
+        with torch.inference_mode():
+            llm.model(ids[:, :24], cache, 0)
+            return torch.stack([llm.model(ids[:, i:i + 1], cache, i)[0, -1] for i in range(24, 40)])
+
+    def kl(x: torch.Tensor, exact: torch.Tensor) -> float:
+        return torch.nn.functional.kl_div(x.log_softmax(-1), exact.log_softmax(-1), log_target=True,
+                                          reduction="batchmean").item()
+
+    native_llm = LLM(weights="auto", threads=2)
+    assert native_llm.model.speed_report.native.whole_step
+    pytorch_llm = LLM(weights="auto", threads=2, native_decode=False)
+    exact_llm = LLM(weights="auto", threads=2, native_decode=False)
+    for name, module in list(exact_llm.model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, (Int4Linear, Int8Linear)):
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                dense.weight.data = child.dequantize().float()
+                setattr(module, child_name, dense)
+    head = exact_llm.model.lm_head  # the tied Q8_0 table
+    exact_llm.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    exact_llm.model.lm_head.weight.data = head.dequantize().float()
+    exact = decode_logits(exact_llm)
+    native_kl, pytorch_kl = kl(decode_logits(native_llm), exact), kl(decode_logits(pytorch_llm), exact)
+    assert native_kl <= pytorch_kl
+    assert native_kl < 1e-3
+
+
+def test_without_a_compiler_the_model_keeps_its_pytorch_steps(tiny_models, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("HYBRIDLLM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    build.load_decode_library.cache_clear()
+    try:
+        model = _load(tiny_models, "llama")
+        with caplog.at_level(logging.WARNING):
+            apply_speed_transforms(model, fuse=True, native_decode=True)
+        assert model.speed_report.native is None
+        assert any("native decode unavailable" in note for note in model.speed_report.notes)
+        assert "no C++ compiler found" in caplog.text
+        assert "native_model" not in model.__dict__
+        reference = _load(tiny_models, "llama")
+        apply_speed_transforms(reference, fuse=True, native_decode=False)
+        assert _greedy(model, _cache(model), steps=4)[1] == _greedy(reference, _cache(reference), steps=4)[1]
+    finally:
+        build.load_decode_library.cache_clear()
+
+
+def test_a_compile_error_is_one_line(tmp_path, monkeypatch):
+    broken = tmp_path / "decode.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(build, "SOURCE", broken)
+    monkeypatch.setenv("HYBRIDLLM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    with pytest.raises(build.KernelBuildError) as error:
+        build.build_library()
+    assert "compiling decode.cpp failed" in str(error.value) and "\n" not in str(error.value)
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written is left to load
+
+
+def test_host_decode_copy_gets_its_own_native_steps(tiny_models, monkeypatch):
+    from hybridllm import LLM, SamplingParams
+
+    gguf = str(tiny_models["llama"][1])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(gguf, threads=2, n_gpu_layers=1, decode_on="host")
+    decode_model = llm.phase_migration().decode_model
+    assert decode_model is not llm.model
+    assert decode_model.__dict__.get("native_model") is not None  # re-applied to the copy, not copied
+    assert decode_model.native_model is not llm.model.__dict__.get("native_model")
+    counts = _count_native_steps(monkeypatch)
+    tokens = llm.generate("The sky is", params).token_ids
+    assert counts["model"] == 7
+    plain = LLM(gguf, threads=2, n_gpu_layers=1, decode_on="host", native_decode=False)
+    assert plain.generate("The sky is", params).token_ids == tokens
