@@ -3,7 +3,7 @@
     python bench/profile_decode.py --context 512 --threads 2 --variants base,fuse
     python bench/profile_decode.py --context 8192 --profile --variants fuse
     python bench/profile_decode.py --context 512 --variants fuse,fuse+compile
-    python bench/profile_decode.py --context 512 --variants fuse,native
+    python bench/profile_decode.py --context 512 --variants fuse,fuse+native
 
 Each variant loads its own copy of the model (``LLM(weights=...)``), prefills a random prompt of
 ``--context`` tokens, and then times ``--steps`` greedy decode steps (``model.forward`` on one
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--weights", default="auto")
     parser.add_argument("--kv-cache", default="dynamic")
     parser.add_argument("--kv-bits", type=int, default=8)
-    parser.add_argument("--variants", default="base,fuse", help="comma-separated: base, fuse, fuse+compile, native (native decode kernels)")
+    parser.add_argument("--variants", default="base,fuse", help="comma-separated: base, fuse, fuse+compile, fuse+native (native decode kernels; they need fused layers)")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     variants = args.variants.split(",")

@@ -89,10 +89,10 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial
-// (relative error ~1e-7); branch-free so that the compiler vectorizes the loops calling it.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
+// exp(x), Cephes' single-precision polynomial (relative error ~1e-7), x clamped to [-87, 87]
+// (exp(-87) ~ 1.6e-38 stands for 0); branch-free so that the compiler vectorizes its loops.
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 87.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -325,29 +325,38 @@ void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
   for (int r = 0; r < ROWS; ++r) out[r] = sum8(acc[r]);
 }
 
-// Q8 rows n..n+ROWS-1 of a (G, N, 32) table with (G, N) scales (the GGUF Q8_0 head).
-void rows_q8_groups(const int8_t* w, const float* scales, const Activation& a, int64_t n, int64_t n_rows,
-                    int64_t groups, float* out) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+// 8 vectors of 8 int32 partial sums -> one vector of their 8 totals.
+inline __m256i sum_each_of_8(const __m256i d[8]) {
+  const __m256i h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+// Rows n0..n1-1 (n1 - n0 a multiple of 8) of a (G, N, 32) table with (G, N) scales (the GGUF
+// Q8_0 head), group by group: each group's rows are one contiguous slab, so a thread reads its
+// rows of the table as one sequential stream per group; out accumulates across groups.
+void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
-    const int8_t* wg = w + (g * n_rows + n) * GROUP;
-    __builtin_prefetch(wg + 16 * ROWS * GROUP);
-    __builtin_prefetch(wg + 16 * ROWS * GROUP + 64);
     const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
     const __m256i xq_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
-    const __m128 row_scales = _mm_mul_ps(_mm_loadu_ps(scales + g * n_rows + n), _mm_set1_ps(a.q_scales[g] / 128.0f));
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg, xq, xq_low)), _mm256_broadcastss_ps(row_scales), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg + GROUP, xq, xq_low)),
-                           _mm256_broadcastss_ps(_mm_shuffle_ps(row_scales, row_scales, 1)), acc1);
-    acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg + 2 * GROUP, xq, xq_low)),
-                           _mm256_broadcastss_ps(_mm_shuffle_ps(row_scales, row_scales, 2)), acc2);
-    acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(wg + 3 * GROUP, xq, xq_low)),
-                           _mm256_broadcastss_ps(_mm_shuffle_ps(row_scales, row_scales, 3)), acc3);
+    const __m256 x_scale = _mm256_set1_ps(a.q_scales[g] / 128.0f);
+    const int8_t* slab = w + g * n_rows * GROUP;
+    const float* slab_scales = scales + g * n_rows;
+    for (int64_t n = n0; n < n1; n += 8) {
+      const int8_t* rows = slab + n * GROUP;
+      __builtin_prefetch(rows + 16 * 8 * GROUP);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 64);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 128);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 192);
+      __m256i dots[8];
+      for (int r = 0; r < 8; ++r) dots[r] = dot_s8_s8(rows + r * GROUP, xq, xq_low);
+      const __m256 row_scales = _mm256_mul_ps(_mm256_loadu_ps(slab_scales + n), x_scale);
+      const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
+      _mm256_storeu_ps(out + n, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(out + n), partial));
+    }
   }
-  out[0] = sum8(acc0);
-  out[1] = sum8(acc1);
-  out[2] = sum8(acc2);
-  out[3] = sum8(acc3);
 }
 #else
 constexpr bool QUANTIZED_ACTIVATIONS = false;  // portable float path
@@ -397,6 +406,11 @@ void rows_q8_groups(const int8_t* w, const float* scales, const Activation& a, i
   }
   for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]);
 }
+
+void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out) {
+  for (int64_t n = n0; n < n1; n += ROWS) rows_q8_groups(w, scales, a, n, n_rows, groups, out + n);
+}
 #endif
 
 // The same for one row (the remainder when N is not a multiple of ROWS), plain loops.
@@ -437,6 +451,11 @@ void linear_rows(const HLLinear& w, const Activation& a, float* out, int64_t n0,
   const int64_t k = w.in_features;
   const int64_t groups = k / GROUP;
   int64_t n = n0;
+  if (w.format == FORMAT_Q8_GROUPS) {  // group-major over the whole range, 8 rows at a time
+    n = n0 + (n1 - n0) / 8 * 8;
+    q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), a, n0, n, w.out_features,
+                    groups, out);
+  }
   for (; n + ROWS <= n1; n += ROWS) {
     switch (w.format) {
       case FORMAT_F32:
@@ -449,9 +468,11 @@ void linear_rows(const HLLinear& w, const Activation& a, float* out, int64_t n0,
         rows_q8(static_cast<const int8_t*>(w.weight) + n * k, a, k, out + n);
         for (int r = 0; r < ROWS; ++r) out[n + r] *= static_cast<const float*>(w.scales)[n + r];
         break;
-      default:  // FORMAT_Q8_GROUPS
-        rows_q8_groups(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), a, n,
-                       w.out_features, groups, out + n);
+      default:  // FORMAT_Q8_GROUPS: only the rows after the last multiple of 8 get here
+        out[n] = row_tail(w, a.x, n);
+        out[n + 1] = row_tail(w, a.x, n + 1);
+        out[n + 2] = row_tail(w, a.x, n + 2);
+        out[n + 3] = row_tail(w, a.x, n + 3);
         break;
     }
   }
@@ -471,6 +492,12 @@ void linear_team(const HLLinear& w, const float* x, float* out) {
   const int64_t n0 = std::min(n, t * per), n1 = std::min(n, n0 + per);
   linear_rows(w, a, out, n0, n1);
 #pragma omp barrier
+}
+
+// gate[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
+void silu_times(float* __restrict gate, const float* __restrict up, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
@@ -496,10 +523,14 @@ void rotate_half(float* h, const float* cos, const float* sin, int64_t d) {
 // scores[g * stride + t] = scale * q_g . key_t for the `group` queries sharing a KV head; each
 // key row is loaded once for all of them (GROUP_SIZE fixed so the accumulators stay in registers).
 template <int GROUP_SIZE>
-void score_chunk_fixed(const float* q, const float* keys, int64_t len, int64_t d, float scale, float* scores,
-                       int64_t stride) {
+void score_chunk_fixed(const float* q, const float* keys, const float* values, int64_t len, int64_t d, float scale,
+                       float* scores, int64_t stride) {
   for (int64_t t = 0; t < len; ++t) {
     const float* key = keys + t * d;
+    for (int64_t line = 0; line < d; line += 16) {  // the rows 8 ahead, and this row's values (next pass)
+      __builtin_prefetch(key + 8 * d + line);
+      __builtin_prefetch(values + t * d + line);
+    }
     f32x16 dots[GROUP_SIZE] = {};
     for (int64_t i = 0; i < d; i += 16) {
       const f32x16 kv = load<f32x16>(key + i);
@@ -509,18 +540,18 @@ void score_chunk_fixed(const float* q, const float* keys, int64_t len, int64_t d
   }
 }
 
-void score_chunk(const float* q, const float* keys, int64_t len, int group, int64_t d, float scale, float* scores,
-                 int64_t stride) {
+void score_chunk(const float* q, const float* keys, const float* values, int64_t len, int group, int64_t d,
+                 float scale, float* scores, int64_t stride) {
   if (d % 16 == 0) {
     switch (group) {
-      case 1: return score_chunk_fixed<1>(q, keys, len, d, scale, scores, stride);
-      case 2: return score_chunk_fixed<2>(q, keys, len, d, scale, scores, stride);
-      case 3: return score_chunk_fixed<3>(q, keys, len, d, scale, scores, stride);
-      case 4: return score_chunk_fixed<4>(q, keys, len, d, scale, scores, stride);
-      case 5: return score_chunk_fixed<5>(q, keys, len, d, scale, scores, stride);
-      case 6: return score_chunk_fixed<6>(q, keys, len, d, scale, scores, stride);
-      case 7: return score_chunk_fixed<7>(q, keys, len, d, scale, scores, stride);
-      case 8: return score_chunk_fixed<8>(q, keys, len, d, scale, scores, stride);
+      case 1: return score_chunk_fixed<1>(q, keys, values, len, d, scale, scores, stride);
+      case 2: return score_chunk_fixed<2>(q, keys, values, len, d, scale, scores, stride);
+      case 3: return score_chunk_fixed<3>(q, keys, values, len, d, scale, scores, stride);
+      case 4: return score_chunk_fixed<4>(q, keys, values, len, d, scale, scores, stride);
+      case 5: return score_chunk_fixed<5>(q, keys, values, len, d, scale, scores, stride);
+      case 6: return score_chunk_fixed<6>(q, keys, values, len, d, scale, scores, stride);
+      case 7: return score_chunk_fixed<7>(q, keys, values, len, d, scale, scores, stride);
+      case 8: return score_chunk_fixed<8>(q, keys, values, len, d, scale, scores, stride);
       default: break;
     }
   }
@@ -532,6 +563,38 @@ void score_chunk(const float* q, const float* keys, int64_t len, int group, int6
       scores[g * stride + t] = s * scale;
     }
   }
+}
+
+// acc[g * d ..] = sum_t scores[g * stride + t] * values[t] for each query g of a group: one
+// query at a time, its accumulators in registers (the chunk's value rows stay in L1/L2 between
+// the group's queries).
+template <int VECS>
+void accumulate_values_fixed(const float* values, int64_t len, int group, const float* scores, int64_t stride,
+                             float* acc) {
+  for (int g = 0; g < group; ++g) {
+    f32x16 a[VECS] = {};
+    const float* p = scores + g * stride;
+    for (int64_t t = 0; t < len; ++t) {
+      const float* value = values + t * 16 * VECS;
+      for (int i = 0; i < VECS; ++i) a[i] += load<f32x16>(value + 16 * i) * p[t];
+    }
+    std::memcpy(acc + g * 16 * VECS, a, sizeof a);
+  }
+}
+
+void accumulate_values(const float* values, int64_t len, int group, int64_t d, const float* scores, int64_t stride,
+                       float* acc) {
+  switch (d) {
+    case 32: return accumulate_values_fixed<2>(values, len, group, scores, stride, acc);
+    case 64: return accumulate_values_fixed<4>(values, len, group, scores, stride, acc);
+    case 96: return accumulate_values_fixed<6>(values, len, group, scores, stride, acc);
+    case 128: return accumulate_values_fixed<8>(values, len, group, scores, stride, acc);
+    default: break;
+  }
+  std::fill(acc, acc + group * d, 0.0f);
+  for (int g = 0; g < group; ++g)
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * stride + t] * values[t * d + i];
 }
 
 // How attention over `total` tokens is cut into work items (kv head, token chunk): at least 8
@@ -593,9 +656,8 @@ void attention_team(const float* q, const float* k_cache, const float* v_cache, 
     const int64_t len = std::min(total, t0 + chunk) - t0;
     const float* keys = k_cache + kv_head * capacity * d;
     const float* values = v_cache + kv_head * capacity * d;
-    score_chunk(q + kv_head * group * d, keys + t0 * d, len, group, d, scale, scores.data(), chunk);
+    score_chunk(q + kv_head * group * d, keys + t0 * d, values + t0 * d, len, group, d, scale, scores.data(), chunk);
     float* acc = part_out + item * group * d;
-    std::fill(acc, acc + group * d, 0.0f);
     for (int g = 0; g < group; ++g) {
       float* s = scores.data() + g * chunk;
       float m = -INFINITY;
@@ -604,25 +666,13 @@ void attention_team(const float* q, const float* k_cache, const float* v_cache, 
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = 0; t < len; ++t) {
-        s[t] = exp_nonpositive(s[t] - m);
+        s[t] = exp_clamped(s[t] - m);
         sum += s[t];
       }
       part_max[item * group + g] = m;
       part_sum[item * group + g] = sum;
     }
-    for (int64_t t = 0; t < len; ++t) {  // each value row is loaded once for the group's queries
-      const float* value = values + (t0 + t) * d;
-      for (int g = 0; g < group; ++g) {
-        const float p = scores[g * chunk + t];
-        float* a = acc + g * d;
-        int64_t i = 0;
-        for (; i + 16 <= d; i += 16) {
-          const f32x16 updated = load<f32x16>(a + i) + load<f32x16>(value + i) * p;
-          std::memcpy(a + i, &updated, sizeof updated);
-        }
-        for (; i < d; ++i) a[i] += p * value[i];
-      }
-    }
+    accumulate_values(values + t0 * d, len, group, d, scores.data(), chunk, acc);
   }  // implicit barrier: every item is done
 #pragma omp for schedule(static)
   for (int h = 0; h < n_heads; ++h) {
@@ -675,17 +725,7 @@ void decode_layer_team(const HLDecoderLayer& w, const float* x_in, float* x_out,
   }
   linear_team(w.gate_up, ws.normed.data(), ws.gate_up.data());
 #pragma omp single
-  {
-    float* gate = ws.gate_up.data();
-    const float* up = gate + inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) {  // silu(gate) * up, with exp of -|gate| only (no overflow)
-      const float g = gate[i];
-      const float e = exp_nonpositive(-std::fabs(g));
-      const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-      gate[i] = g * sigmoid * up[i];
-    }
-  }
+  silu_times(ws.gate_up.data(), ws.gate_up.data() + inter, inter);
   linear_team(w.down, ws.gate_up.data(), ws.proj.data());
 #pragma omp single
   for (int64_t i = 0; i < hidden; ++i) x_out[i] = ws.h[i] + ws.proj[i];
