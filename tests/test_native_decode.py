@@ -205,26 +205,56 @@ def test_native_decode_of_quantized_weights_matches_their_float_product(tiny_mod
     head = reference.lm_head  # int8 groups (Q8_0)
     reference.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
     reference.lm_head.weight.data = head.dequantize().float()
-    # A one-token prompt: every step, the first included, is a decode step (the prefill of longer
-    # prompts runs PyTorch's bfloat16 int4 kernel, which would differ from both).
-    expected_logits, expected_tokens = _greedy(reference, _cache(reference), prompt=1)
-    logits, tokens = _greedy(model, _cache(model), prompt=1)
+    # int4 prefill is exact too (NativeInt4Linear: dequantize, float32 matmul); int8 prefill runs
+    # PyTorch's bfloat16 kernel, so there the prompt is one token (every step a decode step).
+    prompt = 20 if weights == "int4" else 1
+    expected_logits, expected_tokens = _greedy(reference, _cache(reference), prompt=prompt)
+    logits, tokens = _greedy(model, _cache(model), prompt=prompt)
     assert tokens == expected_tokens
     scale = expected_logits.abs().max().item()
     torch.testing.assert_close(logits, expected_logits, atol=2e-3 * scale, rtol=1e-3)
 
 
-def test_int4_copies_count_as_host_weight_bytes(tiny_models):
+def test_native_int4_layers_hold_one_copy_of_the_same_bytes(tiny_models):
     from hybridllm.placement.apply import weight_bytes_per_tier
 
     model = _load(tiny_models, "llama", "int4")
     apply_speed_transforms(model, fuse=True, native_decode=False)
     before = weight_bytes_per_tier(model)
+    sources = {name: (m.unpack_codes(), m.dequantize()) for name, m in model.named_modules()
+               if isinstance(m, Int4Linear)}
     apply_speed_transforms(model, fuse=True, native_decode=True)
-    copies = model.speed_report.native.copy_bytes
-    assert copies > 0
-    after = weight_bytes_per_tier(model)
-    assert sum(after.values()) - sum(before.values()) == copies
+    converted = {name: m for name, m in model.named_modules() if isinstance(m, native.NativeInt4Linear)}
+    assert set(converted) == set(sources)  # every int4 projection, and no PyTorch int4 copy left
+    assert weight_bytes_per_tier(model) == before  # 20 bytes per 32 weights in both layouts
+    assert model.speed_report.native.copy_bytes == 0
+    for name, module in converted.items():
+        codes, weight = sources[name]
+        assert torch.equal(module.unpack_codes(), codes)
+        torch.testing.assert_close(module.dequantize(), weight, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 64])  # up to 8: the kernel row by row; more: one float matmul
+def test_native_int4_linear_matches_the_dequantized_product(rows):
+    source = Int4Linear.from_float(torch.randn(96, 128, generator=_gen(8)), torch.randn(96, generator=_gen(9)))
+    module = native.NativeInt4Linear(source, native.kernels())
+    x = torch.randn(2, rows, 128, generator=_gen(rows))
+    expected = x @ source.dequantize().T + source.bias
+    out = module(x)
+    assert out.shape == (2, rows, 96)
+    if 2 * rows > native.ROW_BY_ROW_MAX:
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(out, expected, atol=5e-4 * expected.abs().max().item(), rtol=1e-3)
+
+
+def test_native_int4_linear_stays_on_the_host():
+    from hybridllm.errors import ConfigError
+
+    module = native.NativeInt4Linear(Int4Linear.from_float(torch.randn(32, 64, generator=_gen(1))), native.kernels())
+    with pytest.raises(ConfigError, match="live on the host"):
+        module.to("meta")
+    assert module.to("cpu") is module
 
 
 def test_layers_the_kernels_cannot_run_keep_their_pytorch_step(tiny_models, monkeypatch):

@@ -82,6 +82,26 @@ int32_t hl_abi_version() { return ABI_VERSION; }
 
 namespace {
 
+// ---- phase timers (built only with -DHL_PROFILE, by bench/profile_native.py) -----------------
+enum Phase { BETWEEN_STEPS, NORM, QKV, ROPE_KV, ATTENTION, O_PROJ, RESIDUAL_NORM, GATE_UP, SILU, DOWN, RESIDUAL,
+             FINAL_NORM, HEAD, N_PHASES };
+#ifdef HL_PROFILE
+double phase_seconds[N_PHASES];  // accumulated by thread 0 (the others wait at the same barriers)
+double phase_mark = 0.0;
+#define PHASE_END(phase)                                         \
+  do {                                                           \
+    if (omp_get_thread_num() == 0) {                             \
+      const double now = omp_get_wtime();                        \
+      if (phase_mark > 0.0) phase_seconds[phase] += now - phase_mark; \
+      phase_mark = now;                                          \
+    }                                                            \
+  } while (0)
+#else
+#define PHASE_END(phase) \
+  do {                   \
+  } while (0)
+#endif
+
 inline float bf16_to_float(uint16_t bits) {
   uint32_t u = static_cast<uint32_t>(bits) << 16;
   float f;
@@ -703,9 +723,12 @@ void decode_layer_team(const HLDecoderLayer& w, const float* x_in, float* x_out,
                        std::vector<float>& scores) {
   const int64_t hidden = w.hidden, d = w.head_dim, inter = w.intermediate;
   const int64_t q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
+  PHASE_END(BETWEEN_STEPS);
 #pragma omp single
   rms_norm(x_in, w.attn_norm, w.eps, hidden, ws.normed.data());
+  PHASE_END(NORM);
   linear_team(w.qkv, ws.normed.data(), ws.qkv.data());
+  PHASE_END(QKV);
 #pragma omp single
   {
     float* qkv = ws.qkv.data();
@@ -715,20 +738,28 @@ void decode_layer_team(const HLDecoderLayer& w, const float* x_in, float* x_out,
       std::memcpy(v_cache + (kv_head * capacity + past) * d, qkv + q_size + kv_size + kv_head * d, d * sizeof(float));
     }
   }
+  PHASE_END(ROPE_KV);
   attention_team(ws.qkv.data(), k_cache, v_cache, capacity, past + 1, w.n_heads, w.n_kv_heads, w.head_dim,
                  ws.attn.data(), ws, scores);
+  PHASE_END(ATTENTION);
   linear_team(w.o, ws.attn.data(), ws.proj.data());
+  PHASE_END(O_PROJ);
 #pragma omp single
   {
     for (int64_t i = 0; i < hidden; ++i) ws.h[i] = x_in[i] + ws.proj[i];
     rms_norm(ws.h.data(), w.mlp_norm, w.eps, hidden, ws.normed.data());
   }
+  PHASE_END(RESIDUAL_NORM);
   linear_team(w.gate_up, ws.normed.data(), ws.gate_up.data());
+  PHASE_END(GATE_UP);
 #pragma omp single
   silu_times(ws.gate_up.data(), ws.gate_up.data() + inter, inter);
+  PHASE_END(SILU);
   linear_team(w.down, ws.gate_up.data(), ws.proj.data());
+  PHASE_END(DOWN);
 #pragma omp single
   for (int64_t i = 0; i < hidden; ++i) x_out[i] = ws.h[i] + ws.proj[i];
+  PHASE_END(RESIDUAL);
 }
 
 }  // namespace
@@ -739,6 +770,31 @@ extern "C" {
 void hl_linear(const HLLinear* w, const float* x, float* out, int32_t n_threads) {
 #pragma omp parallel num_threads(n_threads)
   linear_team(*w, x, out);
+}
+
+// The float32 (N, K) weight of a FORMAT_Q4 linear: (q - 8) * scale + zero per value, rows split
+// over the threads (the prefill path: one float32 matmul over it).
+void hl_dequantize_q4(const HLLinear* w, float* out, int32_t n_threads) {
+  const int64_t n = w->out_features, k = w->in_features, groups = k / GROUP;
+  const int64_t blocks = (n + ROWS - 1) / ROWS;
+  const uint8_t* weight = static_cast<const uint8_t*>(w->weight);
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* block = weight + (b * groups + g) * Q4_BLOCK;
+      for (int r = 0; r < ROWS && b * ROWS + r < n; ++r) {
+        uint16_t sz[2];
+        std::memcpy(sz, block + r * 4, sizeof sz);
+        const float scale = bf16_to_float(sz[0]), zero = bf16_to_float(sz[1]);
+        const uint8_t* codes = block + ROWS * 4 + r * 16;
+        float* row = out + (b * ROWS + r) * k + g * GROUP;
+        for (int j = 0; j < 16; ++j) {
+          row[j] = static_cast<float>((codes[j] & 15) - 8) * scale + zero;
+          row[j + 16] = static_cast<float>((codes[j] >> 4) - 8) * scale + zero;
+        }
+      }
+    }
+  }
 }
 
 // Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens -> out (H, D).
@@ -782,8 +838,15 @@ void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, i
     }
 #pragma omp single
     rms_norm(x, final_norm, eps, layers[0].hidden, ws.normed.data());
+    PHASE_END(FINAL_NORM);
     linear_team(*head, ws.normed.data(), logits);
+    PHASE_END(HEAD);
   }
 }
 
 }  // extern "C"
+
+#ifdef HL_PROFILE
+// Seconds per phase (the Phase order) accumulated since the library was loaded or reset.
+extern "C" double* hl_phase_seconds() { return phase_seconds; }
+#endif

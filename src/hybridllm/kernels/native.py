@@ -10,7 +10,9 @@ whose weights live on the CPU a :class:`NativeDecodeLayer`: the layer's weights 
 as raw pointers for ``hl_decode_layer`` (``decode.cpp``), which runs the whole layer (norm,
 q/k/v, rotary, writing k/v into the cache, grouped-query attention, output projection, MLP) for
 batch 1 and one token, its row loops split over the threads with OpenMP. The tied or separate
-output head gets the same treatment (``hl_linear``).
+output head gets a :class:`NativeHead` (``hl_linear``). When every layer and the head are
+native, :class:`NativeModel` runs the whole token (``hl_decode_model``) in one call and one
+parallel region; otherwise (a GPU/host split) each native layer steps on its own.
 
 The step is taken only when it applies, otherwise the layer runs its PyTorch code:
 batch 1, one token, float32 activations, and a cache whose layer can be written in place
@@ -21,11 +23,10 @@ PyTorch path.
 Weights the kernels read:
 
 - float32 ``nn.Linear``: the weight itself (no copy);
-- ``Int4Linear``: a copy in blocks of 4 rows x 32 inputs (:func:`pack_int4_blocks`: their
-  bfloat16 scale/zero, the values the PyTorch kernel uses, then GGUF-style nibbles), made once:
-  the PyTorch packed layout is private to its kernel, and one sequential stream per thread
-  reads faster than one stream per row. The copy is registered as buffers of the layer, so it is counted in the
-  host tier's weight bytes;
+- ``Int4Linear``: replaced by :class:`NativeInt4Linear`, which holds the weight in blocks of 4
+  rows x 32 inputs (:func:`pack_int4_blocks`: their bfloat16 scale/zero, the values the PyTorch
+  kernel uses, then GGUF-style nibbles; one sequential stream per thread reads faster than one
+  stream per row) and serves prefill too (dequantize once per chunk, one float32 matmul);
 - ``Int8Linear`` codes (no copy) with float32 row scales; the ``Int8GroupedLinear`` head/
   embedding table (no copy).
 """
@@ -33,12 +34,14 @@ Weights the kernels read:
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from hybridllm.errors import ConfigError
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
 from hybridllm.kvcache.base import KVCache
 from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
@@ -101,6 +104,8 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, ptr, ptr,
                                         ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
     library.hl_decode_model.restype = None
+    library.hl_dequantize_q4.argtypes = [ctypes.POINTER(HLLinear), ptr, i32]
+    library.hl_dequantize_q4.restype = None
     return library
 
 
@@ -160,6 +165,8 @@ class LinearView:
 
 def linear_view(module: nn.Module) -> LinearView:
     """Describe a float32 / int4 / int8 linear module for the kernels (raises ValueError if unsupported)."""
+    if isinstance(module, NativeInt4Linear):
+        return module.view
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float().contiguous()
     if isinstance(module, Int4Linear):
@@ -202,6 +209,80 @@ def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
     return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
+# ---- int4 layers held in the block layout only ---------------------------------------------------
+ROW_BY_ROW_MAX = 8  # up to this many rows, one kernel call per row; more: dequantize once, one matmul
+
+
+class NativeInt4Linear(nn.Module):
+    """An int4 linear layer held only in the kernels' block layout (:func:`pack_int4_blocks`).
+
+    :func:`enable_native_decode` swaps the ``Int4Linear`` projections of host layers for these,
+    so a layer keeps one int4 copy (the bytes equal PyTorch's packed layout: 20 per 32 weights).
+    ``nn.Linear``'s contract: up to ``ROW_BY_ROW_MAX`` rows (decode steps outside the whole-model
+    call) run ``hl_linear`` row by row; more rows (prefill chunks) dequantize the weight once per
+    call into float32 (``hl_dequantize_q4``) and run one float32 matmul, i.e. the exact product
+    over the dequantized weight. It stays on the host: moving it raises ``ConfigError``.
+    """
+
+    weight_format = "int4"  # what hybridllm.models.quantized.module_format reports
+
+    def __init__(self, source: Int4Linear, library: ctypes.CDLL) -> None:
+        super().__init__()
+        if source.group_size != GROUP:
+            raise ValueError(f"int4 group size {source.group_size} (native kernels: {GROUP})")
+        self.in_features, self.out_features, self.group_size = source.in_features, source.out_features, GROUP
+        blocks = pack_int4_blocks(source.unpack_codes().cpu(), source.scales_and_zeros.cpu())
+        self.register_buffer("weight", blocks, persistent=False)  # (ceil(N/4), K/32, 80) uint8
+        bias = None if source.bias is None else source.bias.detach().float().cpu().contiguous()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.library = _declare(library)
+        self.view = LinearView(HLLinear(FORMAT_Q4, int(bias is not None), self.out_features, self.in_features,
+                                        blocks.data_ptr(), 0, 0 if bias is None else bias.data_ptr()),
+                               [t for t in (blocks, bias) if t is not None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
+        if rows.shape[0] <= ROW_BY_ROW_MAX:
+            out = linear(self.view, rows, library=self.library)  # (M, N), bias added by the kernel
+        else:
+            out = torch.nn.functional.linear(rows, self.dequantize(), self.bias)  # (M, N)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (N, K) weight: (q - 8) * scale + zero per value."""
+        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        self.library.hl_dequantize_q4(ctypes.byref(self.view.struct), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def unpack_codes(self) -> torch.Tensor:
+        """(N, K) uint8 codes 0..15."""
+        blocks, groups = self.weight, self.in_features // GROUP
+        nibbles = blocks[..., ROWS * 4:].reshape(-1, groups, ROWS, 16).transpose(1, 2)  # (N/4, 4, G, 16)
+        codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)  # (N/4, 4, G, 32)
+        return codes.reshape(-1, self.in_features)[:self.out_features].contiguous()
+
+    def _apply(self, fn, recurse: bool = True):
+        if fn(torch.zeros(1)).device.type != "cpu":
+            raise ConfigError("native int4 layers live on the host; load with native_decode=False to move them")
+        return super()._apply(fn, recurse)
+
+    def __deepcopy__(self, memo: dict) -> NativeInt4Linear:
+        # Weights are shared data (the host decode copy of a host layer shares them); only the
+        # struct's pointers must follow the copy's own tensors.
+        clone = NativeInt4Linear.__new__(NativeInt4Linear)
+        memo[id(self)] = clone
+        nn.Module.__init__(clone)
+        clone.in_features, clone.out_features, clone.group_size = self.in_features, self.out_features, GROUP
+        clone.register_buffer("weight", memo.get(id(self.weight), self.weight), persistent=False)
+        clone.bias = None if self.bias is None else memo.get(id(self.bias), self.bias)
+        clone.library, clone.view = self.library, self.view
+        return clone
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP}, "
+                f"bias={self.bias is not None}, layout=native blocks")
+
+
 def _not_copied(native: object, memo: dict) -> None:
     """A copy of a model gets no native steps: they point at the original's tensors (and may
     describe another device). The copy's owner applies the transform again (as ``LLM`` does to
@@ -216,22 +297,19 @@ class NativeDecodeLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, library: ctypes.CDLL) -> None:
         super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp
-        if not (hasattr(attn, "qkv_proj") and hasattr(mlp, "gate_up_proj")):
-            raise ValueError("projections are not fused (fuse_projections first)")
+        attn, mlp = layer.self_attn, layer.mlp  # fused (enable_native_decode checks)
         if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
             raise ValueError("norms are not float32 on the CPU")
         views = [linear_view(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        for i, view in enumerate(views):  # int4 row copies are real host memory: count them
+        owned = {t.data_ptr() for t in itertools.chain(layer.parameters(), layer.buffers())}
+        for i, view in enumerate(views):  # int4 block copies are real host memory: count them
             for j, tensor in enumerate(view.keep):
-                if not any(tensor.data_ptr() == t.data_ptr() for t in layer.parameters()) and \
-                        not any(tensor.data_ptr() == t.data_ptr() for t in layer.buffers()):
+                if tensor.data_ptr() not in owned:
                     self.register_buffer(f"copy_{i}_{j}", tensor, persistent=False)
         self.library = library
-        self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
         self.layer_idx = attn.layer_idx
         self.struct = HLDecoderLayer(
             views[0].struct, views[1].struct, views[2].struct, views[3].struct,
@@ -343,9 +421,11 @@ class NativeReport:
 def enable_native_decode(model: nn.Module) -> NativeReport:
     """Give every CPU-resident float32 layer (and the head) a native decode step, in place.
 
-    The kernels read one stacked q/k/v and gate/up projection per layer: run
-    :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers are skipped). Raises :class:`KernelBuildError` when the kernels cannot be built; layers the kernels do
-    not support are listed in ``report.skipped`` and keep their PyTorch step.
+    The ``Int4Linear`` projections of host layers become :class:`NativeInt4Linear` (one int4
+    copy, in the kernels' layout). The kernels read one stacked q/k/v and gate/up projection per
+    layer: run :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers keep their
+    PyTorch step). Raises :class:`KernelBuildError` when the kernels cannot be built; layers the
+    kernels do not support are listed in ``report.skipped`` and keep their PyTorch step.
     """
     loaded: LoadedLibrary = load_decode_library()
     library = _declare(loaded.library)
@@ -353,6 +433,13 @@ def enable_native_decode(model: nn.Module) -> NativeReport:
     for layer in model.model.layers:
         if layer.input_layernorm.weight.device.type != "cpu":
             continue
+        if not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")):
+            report.skipped.append(f"layer {layer.self_attn.layer_idx}: projections are not fused (fuse_projections first)")
+            continue  # left exactly as loaded (its int4 projections stay PyTorch's)
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Int4Linear) and child.weight.device.type == "cpu" and child.group_size == GROUP:
+                    setattr(parent, name, NativeInt4Linear(child, library))
         try:
             native = NativeDecodeLayer(layer, library)
         except ValueError as exc:
@@ -379,4 +466,4 @@ def enable_native_decode(model: nn.Module) -> NativeReport:
 
 
 __all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "attention",
-           "enable_native_decode", "linear", "linear_view", "pack_int4_blocks"]
+           "NativeInt4Linear", "enable_native_decode", "linear", "linear_view", "pack_int4_blocks"]

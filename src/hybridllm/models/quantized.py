@@ -468,7 +468,11 @@ class Int8Embedding(nn.Module):
 
 # ---- the model transform and its summary ------------------------------------------------
 def module_format(module: nn.Module) -> str:
-    """"int4", "int8", or the float dtype's name ("float32") of a linear/embedding module."""
+    """"int4", "int8", or the float dtype's name ("float32") of a linear/embedding module
+    (modules of other layouts say theirs in a ``weight_format`` attribute)."""
+    declared = getattr(module, "weight_format", None)
+    if declared is not None:
+        return declared
     if isinstance(module, Int4Linear):
         return "int4"
     if isinstance(module, (Int8Linear, Int8GroupedLinear, Int8Embedding)):
@@ -484,7 +488,8 @@ def weights_format(model: nn.Module) -> str:
     counts: dict[str, int] = {}
     for layer in model.model.layers:
         for module in layer.modules():
-            if isinstance(module, (nn.Linear, Int4Linear, Int8Linear, Int8GroupedLinear)):
+            if isinstance(module, (nn.Linear, Int4Linear, Int8Linear, Int8GroupedLinear)) or \
+                    hasattr(module, "weight_format"):
                 fmt = module_format(module)
                 counts[fmt] = counts.get(fmt, 0) + 1
     return "+".join(sorted(counts, key=lambda f: -counts[f])) or "float32"

@@ -1,0 +1,69 @@
+"""Where a native decode step spends its time, phase by phase (a layer's norm, q/k/v, attention ...).
+
+    python bench/profile_native.py --context 512 [--steps 100] [--threads 2] [--model PATH]
+
+Builds the kernels with ``-DHL_PROFILE`` (thread 0 accumulates the time between the phases'
+barriers with ``omp_get_wtime``; the default build has no timers), loads ``LLM(weights="auto")``
+on it, prefills a random prompt of ``--context`` tokens and times ``--steps`` decode steps
+(``model.forward`` on one token; no sampler). "between steps" is everything outside the kernel
+call: the embedding lookup, the rotary tables, claiming the cache rows, Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import torch
+
+from hybridllm import LLM
+from hybridllm.kernels import build, native
+
+PHASES = ("between steps", "norm", "q/k/v", "rotary + cache write", "attention", "o_proj", "residual + norm",
+          "gate/up", "SiLU", "down", "residual", "final norm", "head")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    profiled = build.build_library(("-DHL_PROFILE",))
+    native.load_decode_library = lambda: profiled  # enable_native_decode builds its steps on this library
+    llm = LLM(args.model, weights="auto", threads=args.threads)
+    model = llm.model
+    if "native_model" not in model.__dict__:
+        raise SystemExit("the model has no whole native decode step (see model.speed_report.native)")
+    cache = llm.new_cache()
+    cache.reserve(args.context + args.steps + 16)
+    ids = torch.randint(0, min(llm.config.vocab_size, 20000), (1, args.context), generator=torch.Generator().manual_seed(0))
+    token = torch.tensor([[5]])
+    with torch.inference_mode():
+        for start in range(0, args.context, 512):
+            model(ids[:, start:start + 512], cache, start)
+        for _ in range(8):  # warm-up
+            model(token, cache, cache.seq_length)
+        profiled.library.hl_phase_seconds.restype = ctypes.POINTER(ctypes.c_double)
+        seconds = profiled.library.hl_phase_seconds()
+        for i in range(len(PHASES)):
+            seconds[i] = 0.0
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            model(token, cache, cache.seq_length)
+        wall = (time.perf_counter() - t0) / args.steps
+    layers = llm.config.n_layers
+    print(f"context {args.context}, {args.threads} threads, weights auto: {wall * 1e3:.2f} ms/token "
+          f"({1 / wall:.1f} tok/s) with the timers on")
+    print("| phase | ms/token | us/layer | share |")
+    print("| --- | --- | --- | --- |")
+    for i, name in enumerate(PHASES):
+        per_token = seconds[i] / args.steps
+        per_layer = "" if name in ("between steps", "final norm", "head") else f"{per_token / layers * 1e6:.1f}"
+        print(f"| {name} | {per_token * 1e3:.2f} | {per_layer} | {per_token / wall:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
