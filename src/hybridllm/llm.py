@@ -34,6 +34,7 @@ from hybridllm.placement.apply import (
     assign_tiers,
     host_decode_model,
     place_tied_head,
+    decode_weight_bytes,
     weight_bytes_per_tier,
     weight_device_for,
 )
@@ -132,6 +133,8 @@ class LLM:
             t0 = time.perf_counter()
             self.phase_migration()
             self.cold_start.host_copy_s = time.perf_counter() - t0
+        # What a decode step reads (the decoding model's weights; native layers read their own copy).
+        self.decode_weight_bytes = decode_weight_bytes(self._migration.decode_model if self._migration else self.model)
         self._generator = Generator(
             self.model,
             self.tokenizer,
@@ -139,6 +142,7 @@ class LLM:
             device=self.devices.device,
             prefill_chunk=prefill_chunk,
             weight_bytes=self.weight_bytes,
+            decode_weight_bytes=self.decode_weight_bytes,
             cold_start_s=self.cold_start.total_s,
             weights_format=self.weights_format,
             migration=self._migration,

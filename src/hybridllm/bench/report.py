@@ -26,7 +26,7 @@ CSV_COLUMNS = (
     "tpot_p50_s", "tpot_p50_s_spread", "tpot_p99_s", "tpot_p99_s_spread",
     "peak_device_bytes", "peak_host_bytes", "kv_bytes_device", "kv_bytes_host", "bus_bytes",
     "status", "error", "threads", "device", "dtype", "kv_options", "weights", "weights_format",
-    "weight_bytes_device", "weight_bytes_host", "load_s", "wall_s",
+    "weight_bytes_device", "weight_bytes_host", "decode_weight_bytes", "load_s", "wall_s",
 )
 
 
@@ -232,16 +232,20 @@ SPEED_HEADERS = ("context", "engine", "prefill tok/s", "decode tok/s", "decode v
 
 
 def bytes_per_token(row: dict[str, Any]) -> int | None:
-    """Bytes a decode step reads: every weight once plus the whole KV cache.
+    """Bytes a decode step reads: every weight it uses once plus the whole KV cache.
 
-    The KV term is the cache's ledger at the end of the run (context + new tokens, an upper
-    bound of what a step reads); None when the row does not report its weight bytes.
+    The weight term is the engine's ``decode_weight_bytes`` where reported (native decode reads
+    its own int4 copy, not PyTorch's packed one), else every weight held. The KV term is the
+    cache's ledger at the end of the run (context + new tokens, an upper bound of what a step
+    reads); None when the row does not report its weight bytes.
     """
     weights = row.get("weight_bytes") or {}
     if weights.get("device") is None and weights.get("host") is None:
         return None
     kv = row.get("kv_bytes") or {}
-    return sum(v or 0 for v in weights.values()) + sum(v or 0 for v in kv.values())
+    read = row.get("decode_weight_bytes")
+    weight_term = read if read is not None else sum(v or 0 for v in weights.values())
+    return weight_term + sum(v or 0 for v in kv.values())
 
 
 def speed_records(rows: Sequence[dict[str, Any]], bandwidth_gbs: float | None) -> list[dict[str, Any]]:

@@ -155,6 +155,7 @@ def base_row(config: BenchConfig) -> dict[str, Any]:
         "weights": config.weights if config.engine == "hybridllm" else None,  # the peers run the file as they read it
         "weights_format": None,
         "weight_bytes": {"device": None, "host": None},
+        "decode_weight_bytes": None,
         "load_s": None,
         "wall_s": None,
     }

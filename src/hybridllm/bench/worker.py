@@ -87,6 +87,7 @@ class HybridRunner:
         figures["kv_pages_moved"] = metrics.get("kv_pages_moved")
         figures["weights_format"] = metrics.get("weights_format")
         figures["weight_bytes"] = metrics.get("weight_bytes")
+        figures["decode_weight_bytes"] = metrics.get("decode_weight_bytes")
         return figures
 
 
@@ -152,7 +153,8 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     runs = [runner.run(prompt, config.new_tokens) for _ in range(config.repeat)]
     return {"status": "ok", "error": None, "variant": runner.variant, "load_s": load_s, **summarize(runs),
             "weights_format": runs[0].get("weights_format"),
-            "weight_bytes": runs[0].get("weight_bytes") or {"device": None, "host": None}, "runs": runs}
+            "weight_bytes": runs[0].get("weight_bytes") or {"device": None, "host": None},
+            "decode_weight_bytes": runs[0].get("decode_weight_bytes"), "runs": runs}
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:

@@ -64,6 +64,7 @@ class Generator:
         device: where the model's inputs go (its embedding's device).
         prefill_chunk: prompt tokens per prefill forward.
         weight_bytes: bytes of weights per tier, for the peak-memory figures.
+        decode_weight_bytes: weight bytes one decode step reads (reported as is; None: unknown).
         migration: decode on the host after prefill (``--decode-on host``); None decodes where
             the prefill ran.
         adaptive: re-plans when a memory tier fills up during a request (None: never).
@@ -77,6 +78,7 @@ class Generator:
         device: torch.device,
         prefill_chunk: int = 512,
         weight_bytes: dict[str, int] | None = None,
+        decode_weight_bytes: int | None = None,
         cold_start_s: float = 0.0,
         weights_format: str | None = None,
         migration: PhaseMigration | None = None,
@@ -88,6 +90,7 @@ class Generator:
         self.device = device
         self.prefill_chunk = prefill_chunk
         self.weight_bytes = weight_bytes or {"device": 0, "host": 0}
+        self.decode_weight_bytes = decode_weight_bytes
         self.cold_start_s = cold_start_s
         self.weights_format = weights_format  # "int4", "int8", "float32", ... (None: not reported)
         self.host_memory = HostPeakMemory()
@@ -220,6 +223,7 @@ class Generator:
                 "bus_bytes": sum(bus.values()),
                 "bus_bytes_detail": bus,
                 "weight_bytes": dict(self.weight_bytes),
+                "decode_weight_bytes": self.decode_weight_bytes,
                 "weights_format": self.weights_format or str(self.model.compute_dtype).removeprefix("torch."),
             },
         )

@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int32_t ABI_VERSION = 1;
+constexpr int32_t ABI_VERSION = 2;
 constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
 
 enum WeightFormat : int32_t {
@@ -202,7 +202,6 @@ inline f32x16 i8_to_f32(i8x16 v) { return __builtin_convertvector(__builtin_conv
 
 // ---- rows of each weight format: ROWS output rows at once share the loads of x --------------
 constexpr int ROWS = 4;
-constexpr int64_t MAX_GROUPS = 1024;  // in_features / 32 of any projection (checked in native.py)
 constexpr int64_t Q4_BLOCK = ROWS * 4 + ROWS * 16;  // bytes of one group of a 4-row block
 
 // The input row of a product as each path reads it: float32 values, their per-group sums (the
@@ -212,36 +211,61 @@ constexpr int64_t Q4_BLOCK = ROWS * 4 + ROWS * 16;  // bytes of one group of a 4
 // steps (|q_low| <= 64). Two integer dots per group then carry ~15 bits of each activation
 // (one int8 digit alone, as llama.cpp uses, moves this model's logits ~20x more than bfloat16).
 struct Activation {
-  const float* x;
-  float sums[MAX_GROUPS];
-  float q_scales[MAX_GROUPS];
-  alignas(64) int8_t q[MAX_GROUPS * GROUP];
-  alignas(64) int8_t q_low[MAX_GROUPS * GROUP];
+  const float* x;         // (K,)
+  const float* sums;      // (K/32,)
+  const float* q_scales;  // (K/32,)
+  const int8_t* q;        // (K,)
+  const int8_t* q_low;    // (K,)
+};
 
-  Activation(const float* values, int64_t k, bool quantize) : x(values) {
-    const int64_t groups = k / GROUP;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* xg = values + g * GROUP;
+// The prepared rows of one product's input (M, K); each thread keeps one, reused across calls.
+class ActivationRows {
+ public:
+  void prepare(const float* x, int64_t rows, int64_t k, bool with_sums, bool quantize) {
+    x_ = x;
+    rows_ = rows;
+    k_ = k;
+    groups_ = with_sums ? k / GROUP : 0;
+    sums_.resize(rows * groups_);
+    q_scales_.resize(quantize ? rows * groups_ : 0);
+    q_.resize(quantize ? rows * k : 0);
+    q_low_.resize(quantize ? rows * k : 0);
+    for (int64_t g = 0; g < rows * groups_; ++g) {
+      const float* xg = x + g * GROUP;  // rows are contiguous, so group g of all rows in turn
       float sum = 0.0f, amax = 0.0f;
 #pragma omp simd reduction(+ : sum) reduction(max : amax)
       for (int j = 0; j < GROUP; ++j) {
         sum += xg[j];
         amax = std::max(amax, std::fabs(xg[j]));
       }
-      sums[g] = sum;
+      sums_[g] = sum;
       if (!quantize) continue;
       const float scale = amax / 127.0f;
       const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-      q_scales[g] = scale;
+      q_scales_[g] = scale;
+      int8_t* q = q_.data() + g * GROUP;
+      int8_t* q_low = q_low_.data() + g * GROUP;
 #pragma omp simd
       for (int j = 0; j < GROUP; ++j) {
         const float scaled = xg[j] * inverse;
         const float high = std::nearbyint(scaled);
-        q[g * GROUP + j] = static_cast<int8_t>(high);
-        q_low[g * GROUP + j] = static_cast<int8_t>(std::nearbyint((scaled - high) * 128.0f));
+        q[j] = static_cast<int8_t>(high);
+        q_low[j] = static_cast<int8_t>(std::nearbyint((scaled - high) * 128.0f));
       }
     }
   }
+  int64_t rows() const { return rows_; }
+  Activation row(int64_t i) const {
+    const bool quantized = !q_.empty();
+    return {x_ + i * k_, sums_.data() + i * groups_, quantized ? q_scales_.data() + i * groups_ : nullptr,
+            quantized ? q_.data() + i * k_ : nullptr, quantized ? q_low_.data() + i * k_ : nullptr};
+  }
+
+ private:
+  const float* x_ = nullptr;
+  int64_t rows_ = 0, k_ = 0, groups_ = 0;
+  std::vector<float> sums_, q_scales_;
+  std::vector<int8_t> q_, q_low_;
 };
 
 // out[r] = W[r] . x for ROWS float32 rows starting at w (row stride k).
@@ -298,8 +322,8 @@ void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* 
     const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
     offsets = _mm_fmadd_ps(_mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero), _mm_set1_ps(a.sums[g]), offsets);
     _mm_store_ps(scales, _mm_mul_ps(scale, _mm_set1_ps(a.q_scales[g] / 128.0f)));
-    const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
-    const __m256i xq_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
+    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
     const uint8_t* codes = block + ROWS * 4;
 #define HL_Q4_ROW(r, acc)                                                                                   \
   {                                                                                                         \
@@ -336,8 +360,8 @@ inline __m256i dot_s8_s8(const int8_t* w, __m256i xq, __m256i xq_low) {
 void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
   __m256 acc[ROWS] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < k; i += GROUP) {
-    const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + i));
-    const __m256i xq_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q_low + i));
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + i));
+    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + i));
     const __m256 x_scale = _mm256_set1_ps(a.q_scales[i / GROUP] / 128.0f);
     for (int r = 0; r < ROWS; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(w + r * k + i, xq, xq_low)), x_scale, acc[r]);
@@ -359,8 +383,8 @@ inline __m256i sum_each_of_8(const __m256i d[8]) {
 void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, int64_t n0, int64_t n1,
                      int64_t n_rows, int64_t groups, float* out) {
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256i xq = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
-    const __m256i xq_low = _mm256_load_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
+    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
     const __m256 x_scale = _mm256_set1_ps(a.q_scales[g] / 128.0f);
     const int8_t* slab = w + g * n_rows * GROUP;
     const float* slab_scales = scales + g * n_rows;
@@ -466,51 +490,58 @@ float row_tail(const HLLinear& w, const float* x, int64_t n) {
   return s;
 }
 
-// out[n0:n1] of x @ W.T (+ bias).
-void linear_rows(const HLLinear& w, const Activation& a, float* out, int64_t n0, int64_t n1) {
-  const int64_t k = w.in_features;
-  const int64_t groups = k / GROUP;
+// out[m, n0:n1] of x @ W.T (+ bias) for every prepared row m (out is (M, N)). Each block of
+// weight rows is read once for all M input rows (it stays in L1 between them).
+void linear_rows(const HLLinear& w, const ActivationRows& acts, float* out, int64_t n0, int64_t n1) {
+  const int64_t k = w.in_features, groups = k / GROUP, n_out = w.out_features, m_rows = acts.rows();
   int64_t n = n0;
   if (w.format == FORMAT_Q8_GROUPS) {  // group-major over the whole range, 8 rows at a time
     n = n0 + (n1 - n0) / 8 * 8;
-    q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), a, n0, n, w.out_features,
-                    groups, out);
+    for (int64_t m = 0; m < m_rows; ++m)
+      q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), acts.row(m), n0, n,
+                      n_out, groups, out + m * n_out);
   }
   for (; n + ROWS <= n1; n += ROWS) {
-    switch (w.format) {
-      case FORMAT_F32:
-        rows_f32(static_cast<const float*>(w.weight) + n * k, a.x, k, out + n);
-        break;
-      case FORMAT_Q4:
-        rows_q4(static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK, a, groups, out + n);
-        break;
-      case FORMAT_Q8_ROWS:
-        rows_q8(static_cast<const int8_t*>(w.weight) + n * k, a, k, out + n);
-        for (int r = 0; r < ROWS; ++r) out[n + r] *= static_cast<const float*>(w.scales)[n + r];
-        break;
-      default:  // FORMAT_Q8_GROUPS: only the rows after the last multiple of 8 get here
-        out[n] = row_tail(w, a.x, n);
-        out[n + 1] = row_tail(w, a.x, n + 1);
-        out[n + 2] = row_tail(w, a.x, n + 2);
-        out[n + 3] = row_tail(w, a.x, n + 3);
-        break;
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const Activation a = acts.row(m);
+      float* o = out + m * n_out + n;
+      switch (w.format) {
+        case FORMAT_F32:
+          rows_f32(static_cast<const float*>(w.weight) + n * k, a.x, k, o);
+          break;
+        case FORMAT_Q4:
+          rows_q4(static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK, a, groups, o);
+          break;
+        case FORMAT_Q8_ROWS:
+          rows_q8(static_cast<const int8_t*>(w.weight) + n * k, a, k, o);
+          for (int r = 0; r < ROWS; ++r) o[r] *= static_cast<const float*>(w.scales)[n + r];
+          break;
+        default:  // FORMAT_Q8_GROUPS: only the rows after the last multiple of 8 get here
+          for (int r = 0; r < ROWS; ++r) o[r] = row_tail(w, a.x, n + r);
+          break;
+      }
     }
   }
-  for (; n < n1; ++n) out[n] = row_tail(w, a.x, n);
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < m_rows; ++m) out[m * n_out + n] = row_tail(w, acts.row(m).x, n);
   if (w.has_bias)
-    for (n = n0; n < n1; ++n) out[n] += w.bias[n];
+    for (int64_t m = 0; m < m_rows; ++m)
+      for (n = n0; n < n1; ++n) out[m * n_out + n] += w.bias[n];
 }
 
-// The rows of x @ W.T split in contiguous ranges, one per thread of the enclosing team (multiples
-// of 16 rows: whole cache lines of out), then a barrier. Called inside a parallel region (or by
-// one thread outside any). Each thread prepares x itself (sums, int8 copy): no extra barrier.
-void linear_team(const HLLinear& w, const float* x, float* out) {
-  const Activation a(x, w.format == FORMAT_F32 ? 0 : w.in_features, QUANTIZED_ACTIVATIONS);
+// The output columns of x @ W.T (x: (rows, K) -> out: (rows, N)) split in contiguous ranges,
+// one per thread of the enclosing team (multiples of 16: whole cache lines of out), then a
+// barrier. Called inside a parallel region (or by one thread outside any). Each thread prepares
+// x itself (sums, int8 digits): no extra barrier.
+void linear_team(const HLLinear& w, const float* x, float* out, int64_t rows = 1) {
+  thread_local ActivationRows acts;
+  const bool quantized_weights = w.format != FORMAT_F32;
+  acts.prepare(x, rows, w.in_features, quantized_weights, quantized_weights && QUANTIZED_ACTIVATIONS);
   const int64_t n = w.out_features;
   const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
   const int64_t per = ((n + threads - 1) / threads + 15) / 16 * 16;
   const int64_t n0 = std::min(n, t * per), n1 = std::min(n, n0 + per);
-  linear_rows(w, a, out, n0, n1);
+  linear_rows(w, acts, out, n0, n1);
 #pragma omp barrier
 }
 
@@ -766,35 +797,10 @@ void decode_layer_team(const HLDecoderLayer& w, const float* x_in, float* x_out,
 
 extern "C" {
 
-// out = x @ W.T (+ bias) for one row x (in_features,).
-void hl_linear(const HLLinear* w, const float* x, float* out, int32_t n_threads) {
+// out = x @ W.T (+ bias) for rows x (rows, in_features) -> out (rows, out_features).
+void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
 #pragma omp parallel num_threads(n_threads)
-  linear_team(*w, x, out);
-}
-
-// The float32 (N, K) weight of a FORMAT_Q4 linear: (q - 8) * scale + zero per value, rows split
-// over the threads (the prefill path: one float32 matmul over it).
-void hl_dequantize_q4(const HLLinear* w, float* out, int32_t n_threads) {
-  const int64_t n = w->out_features, k = w->in_features, groups = k / GROUP;
-  const int64_t blocks = (n + ROWS - 1) / ROWS;
-  const uint8_t* weight = static_cast<const uint8_t*>(w->weight);
-#pragma omp parallel for num_threads(n_threads) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* block = weight + (b * groups + g) * Q4_BLOCK;
-      for (int r = 0; r < ROWS && b * ROWS + r < n; ++r) {
-        uint16_t sz[2];
-        std::memcpy(sz, block + r * 4, sizeof sz);
-        const float scale = bf16_to_float(sz[0]), zero = bf16_to_float(sz[1]);
-        const uint8_t* codes = block + ROWS * 4 + r * 16;
-        float* row = out + (b * ROWS + r) * k + g * GROUP;
-        for (int j = 0; j < 16; ++j) {
-          row[j] = static_cast<float>((codes[j] & 15) - 8) * scale + zero;
-          row[j + 16] = static_cast<float>((codes[j] >> 4) - 8) * scale + zero;
-        }
-      }
-    }
-  }
+  linear_team(*w, x, out, rows);
 }
 
 // Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens -> out (H, D).

@@ -23,10 +23,12 @@ PyTorch path.
 Weights the kernels read:
 
 - float32 ``nn.Linear``: the weight itself (no copy);
-- ``Int4Linear``: replaced by :class:`NativeInt4Linear`, which holds the weight in blocks of 4
-  rows x 32 inputs (:func:`pack_int4_blocks`: their bfloat16 scale/zero, the values the PyTorch
-  kernel uses, then GGUF-style nibbles; one sequential stream per thread reads faster than one
-  stream per row) and serves prefill too (dequantize once per chunk, one float32 matmul);
+- ``Int4Linear``: a copy in blocks of 4 rows x 32 inputs (:func:`pack_int4_blocks`: their
+  bfloat16 scale/zero, the values the PyTorch kernel uses, then GGUF-style nibbles; one
+  sequential stream per thread reads faster than one stream per row). PyTorch's packed copy
+  stays for prefill (its bfloat16 kernel is 1.3-3x faster than anything tried here below ~1K
+  prompt tokens). The copy is registered as buffers of the layer, so the host tier counts it,
+  and ``hybridllm.placement.apply.decode_weight_bytes`` counts what a decode step reads;
 - ``Int8Linear`` codes (no copy) with float32 row scales; the ``Int8GroupedLinear`` head/
   embedding table (no copy).
 """
@@ -41,7 +43,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hybridllm.errors import ConfigError
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
 from hybridllm.kvcache.base import KVCache
 from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
@@ -51,7 +52,6 @@ logger = logging.getLogger(__name__)
 GROUP = 32
 FORMAT_F32, FORMAT_Q4, FORMAT_Q8_ROWS, FORMAT_Q8_GROUPS = 0, 1, 2, 3
 MAX_HEAD_DIM = 512  # decode.cpp's rotary scratch
-MAX_GROUPS = 1024  # decode.cpp's Activation: in_features up to 32768
 
 
 class HLLinear(ctypes.Structure):
@@ -95,7 +95,7 @@ class HLLayerCache(ctypes.Structure):
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """Argument types of the exported functions (ctypes then converts ints and pointers)."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    library.hl_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i32]
+    library.hl_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i64, i32]
     library.hl_linear.restype = None
     library.hl_attention.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr, i32]
     library.hl_attention.restype = None
@@ -104,8 +104,6 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, ptr, ptr,
                                         ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
     library.hl_decode_model.restype = None
-    library.hl_dequantize_q4.argtypes = [ctypes.POINTER(HLLinear), ptr, i32]
-    library.hl_dequantize_q4.restype = None
     return library
 
 
@@ -165,8 +163,6 @@ class LinearView:
 
 def linear_view(module: nn.Module) -> LinearView:
     """Describe a float32 / int4 / int8 linear module for the kernels (raises ValueError if unsupported)."""
-    if isinstance(module, NativeInt4Linear):
-        return module.view
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float().contiguous()
     if isinstance(module, Int4Linear):
@@ -187,8 +183,6 @@ def linear_view(module: nn.Module) -> LinearView:
     out_features, in_features = module.out_features, module.in_features
     if fmt != FORMAT_F32 and in_features % GROUP:
         raise ValueError(f"in_features {in_features} is not a multiple of {GROUP}")
-    if in_features > MAX_GROUPS * GROUP:
-        raise ValueError(f"in_features {in_features} exceeds the kernels' {MAX_GROUPS * GROUP}")
     keep = [t for t in (weight, scales, bias) if t is not None]
     if any(t.device.type != "cpu" for t in keep):
         raise ValueError("weights are not on the CPU")
@@ -199,88 +193,14 @@ def linear_view(module: nn.Module) -> LinearView:
 
 def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
            library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x`` (..., K) float32 rows through the kernel one at a time -> (..., N) float32."""
+    """``x`` (..., K) float32 through the kernel -> (..., N) float32 (each weight block is read
+    once for all rows)."""
     rows = x.reshape(-1, view.struct.in_features).float().contiguous()  # (M, K)
     out = torch.empty(rows.shape[0], view.struct.out_features, dtype=torch.float32)  # (M, N)
     library = _declare(library) if library is not None else kernels()
-    n_threads = threads or torch.get_num_threads()
-    for i in range(rows.shape[0]):
-        library.hl_linear(ctypes.byref(view.struct), rows[i].data_ptr(), out[i].data_ptr(), n_threads)
+    library.hl_linear(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0],
+                      threads or torch.get_num_threads())
     return out.reshape(*x.shape[:-1], view.struct.out_features)
-
-
-# ---- int4 layers held in the block layout only ---------------------------------------------------
-ROW_BY_ROW_MAX = 8  # up to this many rows, one kernel call per row; more: dequantize once, one matmul
-
-
-class NativeInt4Linear(nn.Module):
-    """An int4 linear layer held only in the kernels' block layout (:func:`pack_int4_blocks`).
-
-    :func:`enable_native_decode` swaps the ``Int4Linear`` projections of host layers for these,
-    so a layer keeps one int4 copy (the bytes equal PyTorch's packed layout: 20 per 32 weights).
-    ``nn.Linear``'s contract: up to ``ROW_BY_ROW_MAX`` rows (decode steps outside the whole-model
-    call) run ``hl_linear`` row by row; more rows (prefill chunks) dequantize the weight once per
-    call into float32 (``hl_dequantize_q4``) and run one float32 matmul, i.e. the exact product
-    over the dequantized weight. It stays on the host: moving it raises ``ConfigError``.
-    """
-
-    weight_format = "int4"  # what hybridllm.models.quantized.module_format reports
-
-    def __init__(self, source: Int4Linear, library: ctypes.CDLL) -> None:
-        super().__init__()
-        if source.group_size != GROUP:
-            raise ValueError(f"int4 group size {source.group_size} (native kernels: {GROUP})")
-        self.in_features, self.out_features, self.group_size = source.in_features, source.out_features, GROUP
-        blocks = pack_int4_blocks(source.unpack_codes().cpu(), source.scales_and_zeros.cpu())
-        self.register_buffer("weight", blocks, persistent=False)  # (ceil(N/4), K/32, 80) uint8
-        bias = None if source.bias is None else source.bias.detach().float().cpu().contiguous()
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.library = _declare(library)
-        self.view = LinearView(HLLinear(FORMAT_Q4, int(bias is not None), self.out_features, self.in_features,
-                                        blocks.data_ptr(), 0, 0 if bias is None else bias.data_ptr()),
-                               [t for t in (blocks, bias) if t is not None])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
-        if rows.shape[0] <= ROW_BY_ROW_MAX:
-            out = linear(self.view, rows, library=self.library)  # (M, N), bias added by the kernel
-        else:
-            out = torch.nn.functional.linear(rows, self.dequantize(), self.bias)  # (M, N)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def dequantize(self) -> torch.Tensor:
-        """The float32 (N, K) weight: (q - 8) * scale + zero per value."""
-        out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        self.library.hl_dequantize_q4(ctypes.byref(self.view.struct), out.data_ptr(), torch.get_num_threads())
-        return out
-
-    def unpack_codes(self) -> torch.Tensor:
-        """(N, K) uint8 codes 0..15."""
-        blocks, groups = self.weight, self.in_features // GROUP
-        nibbles = blocks[..., ROWS * 4:].reshape(-1, groups, ROWS, 16).transpose(1, 2)  # (N/4, 4, G, 16)
-        codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)  # (N/4, 4, G, 32)
-        return codes.reshape(-1, self.in_features)[:self.out_features].contiguous()
-
-    def _apply(self, fn, recurse: bool = True):
-        if fn(torch.zeros(1)).device.type != "cpu":
-            raise ConfigError("native int4 layers live on the host; load with native_decode=False to move them")
-        return super()._apply(fn, recurse)
-
-    def __deepcopy__(self, memo: dict) -> NativeInt4Linear:
-        # Weights are shared data (the host decode copy of a host layer shares them); only the
-        # struct's pointers must follow the copy's own tensors.
-        clone = NativeInt4Linear.__new__(NativeInt4Linear)
-        memo[id(self)] = clone
-        nn.Module.__init__(clone)
-        clone.in_features, clone.out_features, clone.group_size = self.in_features, self.out_features, GROUP
-        clone.register_buffer("weight", memo.get(id(self.weight), self.weight), persistent=False)
-        clone.bias = None if self.bias is None else memo.get(id(self.bias), self.bias)
-        clone.library, clone.view = self.library, self.view
-        return clone
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP}, "
-                f"bias={self.bias is not None}, layout=native blocks")
 
 
 def _not_copied(native: object, memo: dict) -> None:
@@ -357,7 +277,7 @@ class NativeHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         row = x.reshape(-1).contiguous()
         out = torch.empty(*x.shape[:-1], self.view.struct.out_features, dtype=torch.float32)
-        self.library.hl_linear(ctypes.byref(self.view.struct), row.data_ptr(), out.data_ptr(),
+        self.library.hl_linear(ctypes.byref(self.view.struct), row.data_ptr(), out.data_ptr(), 1,
                                torch.get_num_threads())
         return out
 
@@ -421,9 +341,7 @@ class NativeReport:
 def enable_native_decode(model: nn.Module) -> NativeReport:
     """Give every CPU-resident float32 layer (and the head) a native decode step, in place.
 
-    The ``Int4Linear`` projections of host layers become :class:`NativeInt4Linear` (one int4
-    copy, in the kernels' layout). The kernels read one stacked q/k/v and gate/up projection per
-    layer: run :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers keep their
+    The kernels read one stacked q/k/v and gate/up projection per layer: run :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers keep their
     PyTorch step). Raises :class:`KernelBuildError` when the kernels cannot be built; layers the
     kernels do not support are listed in ``report.skipped`` and keep their PyTorch step.
     """
@@ -435,11 +353,7 @@ def enable_native_decode(model: nn.Module) -> NativeReport:
             continue
         if not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")):
             report.skipped.append(f"layer {layer.self_attn.layer_idx}: projections are not fused (fuse_projections first)")
-            continue  # left exactly as loaded (its int4 projections stay PyTorch's)
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Int4Linear) and child.weight.device.type == "cpu" and child.group_size == GROUP:
-                    setattr(parent, name, NativeInt4Linear(child, library))
+            continue
         try:
             native = NativeDecodeLayer(layer, library)
         except ValueError as exc:
@@ -466,4 +380,4 @@ def enable_native_decode(model: nn.Module) -> NativeReport:
 
 
 __all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "attention",
-           "NativeInt4Linear", "enable_native_decode", "linear", "linear_view", "pack_int4_blocks"]
+           "enable_native_decode", "linear", "linear_view", "pack_int4_blocks"]

@@ -468,11 +468,7 @@ class Int8Embedding(nn.Module):
 
 # ---- the model transform and its summary ------------------------------------------------
 def module_format(module: nn.Module) -> str:
-    """"int4", "int8", or the float dtype's name ("float32") of a linear/embedding module
-    (modules of other layouts say theirs in a ``weight_format`` attribute)."""
-    declared = getattr(module, "weight_format", None)
-    if declared is not None:
-        return declared
+    """"int4", "int8", or the float dtype's name ("float32") of a linear/embedding module."""
     if isinstance(module, Int4Linear):
         return "int4"
     if isinstance(module, (Int8Linear, Int8GroupedLinear, Int8Embedding)):
@@ -488,8 +484,7 @@ def weights_format(model: nn.Module) -> str:
     counts: dict[str, int] = {}
     for layer in model.model.layers:
         for module in layer.modules():
-            if isinstance(module, (nn.Linear, Int4Linear, Int8Linear, Int8GroupedLinear)) or \
-                    hasattr(module, "weight_format"):
+            if isinstance(module, (nn.Linear, Int4Linear, Int8Linear, Int8GroupedLinear)):
                 fmt = module_format(module)
                 counts[fmt] = counts.get(fmt, 0) + 1
     return "+".join(sorted(counts, key=lambda f: -counts[f])) or "float32"

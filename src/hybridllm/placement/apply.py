@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.models.quantized import Int4Linear
 from hybridllm.placement.placement import Placement
 
 LAYER_PREFIX = "model.layers."
@@ -105,6 +106,20 @@ def weight_bytes_per_tier(model: LlamaForCausalLM) -> dict[str, int]:
             seen.add(key)
             out[tier] += tensor.numel() * tensor.element_size()
     return out
+
+
+def decode_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Weight bytes one decode step reads: every weight once (as counted by
+    :func:`weight_bytes_per_tier`), less the PyTorch-packed int4 weights of layers whose decode
+    step runs natively: those read their own copy (``hybridllm.kernels.native``) instead."""
+    total = sum(weight_bytes_per_tier(model).values())
+    for layer in model.model.layers:
+        if layer._modules.get("native_step") is None:
+            continue
+        for module in layer.modules():
+            if isinstance(module, Int4Linear):
+                total -= sum(t.numel() * t.element_size() for t in (module.weight, module.scales_and_zeros))
+    return total
 
 
 def host_decode_model(model: LlamaForCausalLM, devices: TierDevices) -> LlamaForCausalLM:
