@@ -113,7 +113,7 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((data & 15, data >> 4), dim=-1).reshape(-1)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=16)  # int32 per weight of each shape: a few MB for a model's shapes
 def _cpu_nibble_order(n: int, k: int) -> torch.Tensor | None:
     """For the CPU int4 packing of an (n, k) weight: index i such that code (r, c) sits at nibble
     ``order[r * k + c]`` of the packed bytes; None when the packing is not a plain reordering.
@@ -125,22 +125,27 @@ def _cpu_nibble_order(n: int, k: int) -> torch.Tensor | None:
     identity matrix through the kernel (what fusion and the native decode copies pay at load).
     """
     cpu = torch.device("cpu")
-    positions = torch.arange(1, n * k + 1, dtype=torch.int64)
+    if n * k >= 2**31 - 1:
+        return None
+    positions = torch.arange(1, n * k + 1, dtype=torch.int32)
     digits = max(1, -(-int(n * k).bit_length() // 4))
-    source: torch.Tensor | None = None
+    source = torch.zeros(0, dtype=torch.int32)
     for d in range(digits):
         probe = ((positions >> (4 * d)) & 15).reshape(n, k)
-        nibbles = _nibbles(_int4_pack(probe, cpu)).to(torch.int64)
-        source = nibbles << (4 * d) if source is None else source | (nibbles << (4 * d))
-    found = source[source > 0] - 1
-    if found.numel() != n * k or not torch.equal(torch.sort(found).values, positions - 1):
+        shifted = _nibbles(_int4_pack(probe, cpu)).to(torch.int32) << (4 * d)
+        source = shifted if d == 0 else source | shifted
+        del probe, shifted
+    del positions
+    stored = source > 0  # padding nibbles stay 0
+    found = source[stored] - 1
+    if found.numel() != n * k or not torch.equal(torch.bincount(found, minlength=n * k), torch.ones(n * k, dtype=torch.int64)):
         return None
-    order = torch.empty(n * k, dtype=torch.int64)
-    order[source[source > 0] - 1] = torch.nonzero(source > 0).reshape(-1)
+    order = torch.empty(n * k, dtype=torch.int32)
+    order[found.long()] = torch.nonzero(stored).reshape(-1).to(torch.int32)
+    del source, stored, found
     check = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0))
-    if not torch.equal(_nibbles(_int4_pack(check, cpu))[order].reshape(n, k).to(torch.int64), check):
-        return None
-    return order
+    unpacked = torch.index_select(_nibbles(_int4_pack(check, cpu)), 0, order).reshape(n, k)
+    return order if torch.equal(unpacked.to(torch.int64), check) else None
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
@@ -274,7 +279,7 @@ class Int4Linear(nn.Module):
         if self.weight.device.type == "cpu":
             order = _cpu_nibble_order(self.out_features, self.in_features)
             if order is not None:
-                return _nibbles(self.weight)[order].reshape(self.out_features, self.in_features)
+                return torch.index_select(_nibbles(self.weight), 0, order).reshape(self.out_features, self.in_features)
         groups = self.in_features // self.group_size
         unit = torch.empty(groups, self.out_features, 2, dtype=torch.bfloat16, device=self.weight.device)
         unit[..., 0], unit[..., 1] = 1.0, 8.0  # (q - 8) * 1 + 8 == q, exact in bfloat16
