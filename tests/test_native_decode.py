@@ -386,3 +386,19 @@ def test_host_decode_copy_gets_its_own_native_steps(tiny_models, monkeypatch):
     assert counts["model"] == 7
     plain = LLM(gguf, threads=2, n_gpu_layers=1, decode_on="host", native_decode=False)
     assert plain.generate("The sky is", params).token_ids == tokens
+
+
+def test_in_place_slots_only_where_a_kernel_can_write_the_buffer():
+    from hybridllm.kvcache.batch import BatchedCaches
+
+    spec = KVSpec(2, 2, 16, torch.float32, CPU, max_tokens=64)
+    one, two = DynamicCache(spec), DynamicCache(spec)
+    slot = BatchedCaches([one]).in_place_slot(0, 1)  # a batch of one is its sequence's cache
+    assert slot.start == 0 and one.length(0) == 1 and slot.keys.shape == (1, 2, one.capacity(0), 16)
+    assert one.in_place_slot(0, 1).start == 1 and one.length(0) == 2
+    assert BatchedCaches([one]).supports_in_place(1)
+    assert not BatchedCaches([one, two]).supports_in_place(0)
+    with pytest.raises(ValueError, match="batch of one"):
+        BatchedCaches([one, two]).in_place_slot(0, 1)
+    assert not DynamicCache(KVSpec(2, 2, 16, torch.bfloat16, CPU)).supports_in_place(0)  # the kernels read float32
+    assert not DynamicCache(KVSpec(2, 2, 16, torch.float32, CPU, batch_size=2)).supports_in_place(0)
