@@ -402,3 +402,11 @@ def test_in_place_slots_only_where_a_kernel_can_write_the_buffer():
         BatchedCaches([one, two]).in_place_slot(0, 1)
     assert not DynamicCache(KVSpec(2, 2, 16, torch.bfloat16, CPU)).supports_in_place(0)  # the kernels read float32
     assert not DynamicCache(KVSpec(2, 2, 16, torch.float32, CPU, batch_size=2)).supports_in_place(0)
+
+
+def test_an_unwritable_kernel_cache_is_one_line(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("HYBRIDLLM_KERNEL_CACHE", str(blocker / "kernels"))  # a folder inside a file
+    with pytest.raises(build.KernelBuildError, match="cannot write the kernel cache"):
+        build.build_library()

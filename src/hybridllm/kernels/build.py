@@ -91,9 +91,13 @@ def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
 
 
 def _compile(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name, then rename: concurrent builds never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Compile to a private name, then rename: concurrent builds never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the kernel cache {target.parent} ({exc.strerror}); "
+                               "set HYBRIDLLM_KERNEL_CACHE to a writable folder") from exc
     os.close(fd)
     try:
         done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
