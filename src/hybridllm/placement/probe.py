@@ -258,14 +258,39 @@ def _copy_time(src: torch.Tensor, repeats: int) -> float:
     return _best_time(lambda: dst.copy_(src), repeats)
 
 
+def _native_products(matrices: list[torch.Tensor], vectors: dict[int, torch.Tensor]) -> Callable[[], None] | None:
+    """One native single-row product per matrix (the decode kernels' float32 path), or None when
+    the kernels cannot be built."""
+    import ctypes
+
+    from hybridllm.kernels import native
+
+    try:
+        library = native.kernels()
+    except native.KernelBuildError:
+        return None
+    out = torch.empty(max(m.shape[0] for m in matrices))
+    calls = [(native.HLLinear(native.FORMAT_F32, 0, m.shape[0], m.shape[1], m.data_ptr(), 0, 0),
+              vectors[m.shape[1]].data_ptr()) for m in matrices]
+    threads = torch.get_num_threads()
+
+    def run() -> None:
+        for struct, x in calls:
+            library.hl_linear(ctypes.byref(struct), x, out.data_ptr(), 1, threads)
+
+    return run
+
+
 def measure_matvec_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.float32,
                              device: torch.device | str = "cpu", threads: int | None = None,
                              min_bytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 3) -> float:
-    """GB/s of single-token ``F.linear`` over distinct matrices of ``shapes`` (rows, cols).
+    """GB/s of single-token products over distinct matrices of ``shapes`` (rows, cols).
 
     The shapes are cycled until the matrices hold ``min_bytes`` (more than any cache). A matrix
     larger than ``min_bytes / len(shapes)`` keeps its row length and loses rows, so that every
-    shape takes part: the rate depends on the row length, not on the row count.
+    shape takes part: the rate depends on the row length, not on the row count. The product is
+    the one the engine's decode step runs: the native kernels' (``hl_linear``) for float32 on the
+    CPU when they can be built, else ``F.linear``.
     """
     import torch.nn.functional as F
 
@@ -280,8 +305,12 @@ def measure_matvec_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype =
             matrices.append(torch.full((rows, cols), 1e-3, dtype=dtype, device=device))
             total += rows * cols * element
         vectors = {cols: torch.full((1, 1, cols), 1e-3, dtype=dtype, device=device) for _, cols in shapes}
+        native = _native_products(matrices, vectors) if device.type == "cpu" and dtype == torch.float32 else None
 
         def run() -> None:
+            if native is not None:
+                native()
+                return
             for matrix in matrices:
                 F.linear(vectors[matrix.shape[1]], matrix)  # (1, 1, rows): one decode token
 
@@ -364,8 +393,12 @@ def _tiny_decoder(n_layers: int, device: torch.device, dtype: torch.dtype):
 
 
 def _decode_step_time(n_layers: int, device: torch.device, dtype: torch.dtype, steps: int, repeats: int) -> float:
-    """Seconds of one single-token decode step of a tiny model with ``n_layers`` layers."""
+    """Seconds of one single-token decode step of a tiny model with ``n_layers`` layers, with the
+    speed transforms ``LLM`` applies by default (fused projections, native decode on the CPU)."""
+    from hybridllm.engine.speed import apply_speed_transforms
+
     model, new_cache = _tiny_decoder(n_layers, device, dtype)
+    apply_speed_transforms(model, fuse=True, native_decode=True)
     token = torch.tensor([[1]], device=device)
 
     def run() -> None:
