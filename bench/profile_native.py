@@ -39,7 +39,8 @@ def main() -> None:
         raise SystemExit("the model has no whole native decode step (see model.speed_report.native)")
     cache = llm.new_cache()
     cache.reserve(args.context + args.steps + 16)
-    ids = torch.randint(0, min(llm.config.vocab_size, 20000), (1, args.context), generator=torch.Generator().manual_seed(0))
+    seeded = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(llm.config.vocab_size, 20000), (1, args.context), generator=seeded)
     token = torch.tensor([[5]])
     with torch.inference_mode():
         for start in range(0, args.context, 512):

@@ -410,3 +410,15 @@ def test_an_unwritable_kernel_cache_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HYBRIDLLM_KERNEL_CACHE", str(blocker / "kernels"))  # a folder inside a file
     with pytest.raises(build.KernelBuildError, match="cannot write the kernel cache"):
         build.build_library()
+
+
+def test_a_second_transform_rebuilds_the_steps_from_the_current_weights(tiny_models):
+    model = _load(tiny_models, "llama")
+    apply_speed_transforms(model, fuse=True, native_decode=True)
+    assert model.speed_report.native.whole_step
+    model.model.layers[1].self_attn.o_proj = _Bf16Linear(model.model.layers[1].self_attn.o_proj)
+    apply_speed_transforms(model, fuse=True, native_decode=True)
+    report = model.speed_report.native
+    assert not report.whole_step and "native_model" not in model.__dict__  # no stale whole-model step
+    assert model.model.layers[1]._modules.get("native_step") is None
+    assert model.model.layers[0]._modules.get("native_step") is not None

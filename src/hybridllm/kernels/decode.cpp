@@ -444,7 +444,8 @@ void rows_q8_groups(const int8_t* w, const float* scales, const Activation& a, i
     const int8_t* wg = w + (g * n_rows + n) * GROUP;
     const float* sg = scales + g * n_rows + n;
     for (int r = 0; r < ROWS; ++r) {
-      const f32x16 dot = i8_to_f32(load<i8x16>(wg + r * GROUP)) * x_lo + i8_to_f32(load<i8x16>(wg + r * GROUP + 16)) * x_hi;
+      const int8_t* codes = wg + r * GROUP;
+      const f32x16 dot = i8_to_f32(load<i8x16>(codes)) * x_lo + i8_to_f32(load<i8x16>(codes + 16)) * x_hi;
       acc[r] += dot * sg[r];
     }
   }

@@ -341,18 +341,23 @@ class NativeReport:
 def enable_native_decode(model: nn.Module) -> NativeReport:
     """Give every CPU-resident float32 layer (and the head) a native decode step, in place.
 
-    The kernels read one stacked q/k/v and gate/up projection per layer: run :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers keep their
-    PyTorch step). Raises :class:`KernelBuildError` when the kernels cannot be built; layers the
-    kernels do not support are listed in ``report.skipped`` and keep their PyTorch step.
+    The kernels read one stacked q/k/v and gate/up projection per layer: run
+    :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers keep their PyTorch
+    step). A second call rebuilds the steps from the current weights. Raises
+    :class:`KernelBuildError` when the kernels cannot be built; layers the kernels do not
+    support are listed in ``report.skipped`` and keep their PyTorch step.
     """
     loaded: LoadedLibrary = load_decode_library()
     library = _declare(loaded.library)
     report = NativeReport(build_seconds=loaded.build_seconds)
+    model.__dict__.pop("native_model", None)  # steps of an earlier call describe earlier weights
+    model._modules.pop("native_head", None)
     for layer in model.model.layers:
+        layer._modules.pop("native_step", None)
         if layer.input_layernorm.weight.device.type != "cpu":
             continue
         if not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")):
-            report.skipped.append(f"layer {layer.self_attn.layer_idx}: projections are not fused (fuse_projections first)")
+            report.skipped.append(f"layer {layer.self_attn.layer_idx}: projections are not fused")
             continue
         try:
             native = NativeDecodeLayer(layer, library)

@@ -138,7 +138,8 @@ def _cpu_nibble_order(n: int, k: int) -> torch.Tensor | None:
     del positions
     stored = source > 0  # padding nibbles stay 0
     found = source[stored] - 1
-    if found.numel() != n * k or not torch.equal(torch.bincount(found, minlength=n * k), torch.ones(n * k, dtype=torch.int64)):
+    each_once = torch.equal(torch.bincount(found, minlength=n * k), torch.ones(n * k, dtype=torch.int64))
+    if found.numel() != n * k or not each_once:
         return None
     order = torch.empty(n * k, dtype=torch.int32)
     order[found.long()] = torch.nonzero(stored).reshape(-1).to(torch.int32)
