@@ -32,9 +32,9 @@ from hybridllm.placement.adaptive import AdaptivePolicy
 from hybridllm.placement.apply import (
     TierDevices,
     assign_tiers,
+    decode_weight_bytes,
     host_decode_model,
     place_tied_head,
-    decode_weight_bytes,
     weight_bytes_per_tier,
     weight_device_for,
 )

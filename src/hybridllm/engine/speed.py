@@ -65,7 +65,7 @@ def apply_speed_transforms(model: nn.Module, *, fuse: bool = True, native_decode
             report.notes.append(f"native decode unavailable: {exc}")
         else:
             if report.native.layers == 0:
-                report.notes.append("native decode: no layer on the host in float32")
+                report.notes.append("native decode: no host layer got a native step (reasons in native.skipped)")
     if compile:
         compile_layers(model)
         report.compiled = True

@@ -157,48 +157,6 @@ inline float sum16(f32x16 v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-// Byte -> float widening. GCC scalarizes __builtin_convertvector from 8-bit lanes, so the x86
-// builds use the widening instructions directly; other targets keep the portable form.
-#if defined(__AVX512F__)
-template <typename V>
-inline f32x16 from_m512(V v) {
-  f32x16 r;
-  std::memcpy(&r, &v, sizeof r);
-  return r;
-}
-inline f32x16 u8_to_f32(u8x16 v) {
-  __m128i bytes;
-  std::memcpy(&bytes, &v, 16);
-  return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
-}
-inline f32x16 i8_to_f32(i8x16 v) {
-  __m128i bytes;
-  std::memcpy(&bytes, &v, 16);
-  return from_m512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
-}
-#elif defined(__AVX2__)
-inline f32x16 join(__m256 lo, __m256 hi) {
-  f32x16 r;
-  std::memcpy(&r, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
-  return r;
-}
-inline f32x16 u8_to_f32(u8x16 v) {
-  __m128i bytes;
-  std::memcpy(&bytes, &v, 16);
-  return join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
-              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
-}
-inline f32x16 i8_to_f32(i8x16 v) {
-  __m128i bytes;
-  std::memcpy(&bytes, &v, 16);
-  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
-}
-#else
-inline f32x16 u8_to_f32(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
-inline f32x16 i8_to_f32(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
-#endif
 
 // ---- rows of each weight format: ROWS output rows at once share the loads of x --------------
 constexpr int ROWS = 4;
@@ -404,6 +362,9 @@ void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, 
 }
 #else
 constexpr bool QUANTIZED_ACTIVATIONS = false;  // portable float path
+
+inline f32x16 u8_to_f32(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+inline f32x16 i8_to_f32(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
 
 void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* out) {
   f32x16 acc[ROWS] = {};

@@ -36,6 +36,7 @@ Weights the kernels read:
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class HLLayerCache(ctypes.Structure):
     ]
 
 
+@functools.cache
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """Argument types of the exported functions (ctypes then converts ints and pointers)."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
@@ -161,8 +163,18 @@ class LinearView:
     keep: list[torch.Tensor] = field(default_factory=list)
 
 
+def float32_view(weight: torch.Tensor) -> LinearView:
+    """A float32 (N, K) weight on the CPU, read in place (no bias)."""
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    return LinearView(HLLinear(FORMAT_F32, 0, n, k, weight.data_ptr(), 0, 0), [weight])
+
+
 def linear_view(module: nn.Module) -> LinearView:
     """Describe a float32 / int4 / int8 linear module for the kernels (raises ValueError if unsupported)."""
+    stored = getattr(module, "weight", None)
+    if stored is not None and stored.device.type != "cpu":
+        raise ValueError("weights are not on the CPU")
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float().contiguous()
     if isinstance(module, Int4Linear):
@@ -184,8 +196,6 @@ def linear_view(module: nn.Module) -> LinearView:
     if fmt != FORMAT_F32 and in_features % GROUP:
         raise ValueError(f"in_features {in_features} is not a multiple of {GROUP}")
     keep = [t for t in (weight, scales, bias) if t is not None]
-    if any(t.device.type != "cpu" for t in keep):
-        raise ValueError("weights are not on the CPU")
     struct = HLLinear(fmt, int(bias is not None), out_features, in_features, weight.data_ptr(),
                       0 if scales is None else scales.data_ptr(), 0 if bias is None else bias.data_ptr())
     return LinearView(struct, keep)
@@ -275,11 +285,7 @@ class NativeHead(nn.Module):
         return _not_copied(self, memo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        row = x.reshape(-1).contiguous()
-        out = torch.empty(*x.shape[:-1], self.view.struct.out_features, dtype=torch.float32)
-        self.library.hl_linear(ctypes.byref(self.view.struct), row.data_ptr(), out.data_ptr(), 1,
-                               torch.get_num_threads())
-        return out
+        return linear(self.view, x, library=self.library)
 
 
 class NativeModel:
@@ -385,4 +391,4 @@ def enable_native_decode(model: nn.Module) -> NativeReport:
 
 
 __all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "attention",
-           "enable_native_decode", "linear", "linear_view", "pack_int4_blocks"]
+           "enable_native_decode", "float32_view", "linear", "linear_view", "pack_int4_blocks"]

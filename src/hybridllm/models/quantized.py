@@ -128,18 +128,20 @@ def _cpu_nibble_order(n: int, k: int) -> torch.Tensor | None:
     if n * k >= 2**31 - 1:
         return None
     positions = torch.arange(1, n * k + 1, dtype=torch.int32)
-    digits = max(1, -(-int(n * k).bit_length() // 4))
-    source = torch.zeros(0, dtype=torch.int32)
-    for d in range(digits):
+
+    def digit(d: int) -> torch.Tensor:  # where digit d of every position + 1 lands in the nibbles
         probe = ((positions >> (4 * d)) & 15).reshape(n, k)
-        shifted = _nibbles(_int4_pack(probe, cpu)).to(torch.int32) << (4 * d)
-        source = shifted if d == 0 else source | shifted
-        del probe, shifted
+        return _nibbles(_int4_pack(probe, cpu)).to(torch.int32) << (4 * d)
+
+    source = digit(0)
+    for d in range(1, max(1, -(-int(n * k).bit_length() // 4))):
+        source |= digit(d)
     del positions
     stored = source > 0  # padding nibbles stay 0
     found = source[stored] - 1
-    each_once = torch.equal(torch.bincount(found, minlength=n * k), torch.ones(n * k, dtype=torch.int64))
-    if found.numel() != n * k or not each_once:
+    if found.numel() != n * k:
+        return None
+    if not torch.equal(torch.bincount(found, minlength=n * k), torch.ones(n * k, dtype=torch.int64)):
         return None
     order = torch.empty(n * k, dtype=torch.int32)
     order[found.long()] = torch.nonzero(stored).reshape(-1).to(torch.int32)

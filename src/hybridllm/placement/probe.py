@@ -270,13 +270,12 @@ def _native_products(matrices: list[torch.Tensor], vectors: dict[int, torch.Tens
     except native.KernelBuildError:
         return None
     out = torch.empty(max(m.shape[0] for m in matrices))
-    calls = [(native.HLLinear(native.FORMAT_F32, 0, m.shape[0], m.shape[1], m.data_ptr(), 0, 0),
-              vectors[m.shape[1]].data_ptr()) for m in matrices]
+    calls = [(native.float32_view(m), vectors[m.shape[1]].data_ptr()) for m in matrices]
     threads = torch.get_num_threads()
 
     def run() -> None:
-        for struct, x in calls:
-            library.hl_linear(ctypes.byref(struct), x, out.data_ptr(), 1, threads)
+        for view, x in calls:
+            library.hl_linear(ctypes.byref(view.struct), x, out.data_ptr(), 1, threads)
 
     return run
 
