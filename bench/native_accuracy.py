@@ -4,7 +4,7 @@
 
 Loads the model three times with ``weights="auto"`` (the file's quantization kept): the native
 decode kernels, PyTorch's quantized kernels (``native_decode=False``), and an exact reference
-whose int4/int8 projections and Q8_0 head are dequantized to float32 ``nn.Linear`` modules. A
+whose int4/int8 weights are dequantized to float32 modules (``dequantize_model``). A
 random prompt is prefilled by each (the first ``--prompt`` tokens), then ``--steps`` tokens are
 fed one decode step at a time (teacher forcing: the same tokens for all three), and each step's
 logits are compared with the reference: the largest logit difference, the mean KL divergence
@@ -19,25 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridllm import LLM
-from hybridllm.models.quantized import Int4Linear, Int8Linear
-
-
-def dequantized(llm: LLM) -> LLM:
-    """The model with every int4/int8 projection and the head as float32 ``nn.Linear``."""
-    for module in list(llm.model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, (Int4Linear, Int8Linear)):
-                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                dense.weight.data = child.dequantize().float()
-                if child.bias is not None:
-                    dense.bias.data = child.bias.float()
-                setattr(module, name, dense)
-    head = llm.model.lm_head
-    if not isinstance(head, torch.nn.Linear):
-        dense = torch.nn.Linear(head.in_features, head.out_features, bias=False)
-        dense.weight.data = head.dequantize().float()
-        llm.model.lm_head = dense
-    return llm
+from hybridllm.models.quantized import dequantize_model
 
 
 def decode_logits(llm: LLM, ids: torch.Tensor, prompt: int) -> torch.Tensor:
@@ -55,7 +37,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    exact_llm = dequantized(LLM(args.model, weights="auto", threads=args.threads, native_decode=False))
+    exact_llm = LLM(args.model, weights="auto", threads=args.threads, native_decode=False)
+    dequantize_model(exact_llm.model)
     vocab = min(exact_llm.config.vocab_size, 20000)
     ids = torch.randint(0, vocab, (1, args.prompt + args.steps), generator=torch.Generator().manual_seed(args.seed))
     exact = decode_logits(exact_llm, ids, args.prompt)

@@ -20,7 +20,7 @@ from hybridllm.kvcache import DynamicCache, KVSpec
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
-from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, quantize_model
+from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, dequantize_model, quantize_model
 
 from conftest import ARCHS
 
@@ -192,19 +192,7 @@ def test_native_decode_of_quantized_weights_matches_their_float_product(tiny_mod
     assert model.speed_report.native.whole_step
     # The reference: the same model with every quantized projection dequantized to float32.
     reference = _load(tiny_models, "llama", weights)
-    apply_speed_transforms(reference, fuse=True, native_decode=False)
-    for layer in reference.model.layers:
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
-            quantized = getattr(parent, name)
-            dense = torch.nn.Linear(quantized.in_features, quantized.out_features, bias=quantized.bias is not None)
-            dense.weight.data = quantized.dequantize().float()
-            if quantized.bias is not None:
-                dense.bias.data = quantized.bias.float()
-            setattr(parent, name, dense)
-    head = reference.lm_head  # int8 groups (Q8_0)
-    reference.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
-    reference.lm_head.weight.data = head.dequantize().float()
+    dequantize_model(apply_speed_transforms(reference, fuse=True, native_decode=False))
     # A one-token prompt: every step, the first included, is a decode step (the prefill of longer
     # prompts runs PyTorch's bfloat16 kernels, which would differ from both).
     prompt = 1
@@ -326,15 +314,7 @@ def test_default_model_int4_native_decode_is_closer_to_exact_than_pytorch():
     assert native_llm.model.speed_report.native.whole_step
     pytorch_llm = LLM(weights="auto", threads=2, native_decode=False)
     exact_llm = LLM(weights="auto", threads=2, native_decode=False)
-    for name, module in list(exact_llm.model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, (Int4Linear, Int8Linear)):
-                dense = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                dense.weight.data = child.dequantize().float()
-                setattr(module, child_name, dense)
-    head = exact_llm.model.lm_head  # the tied Q8_0 table
-    exact_llm.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
-    exact_llm.model.lm_head.weight.data = head.dequantize().float()
+    dequantize_model(exact_llm.model)
     exact = decode_logits(exact_llm)
     native_kl, pytorch_kl = kl(decode_logits(native_llm), exact), kl(decode_logits(pytorch_llm), exact)
     assert native_kl <= pytorch_kl

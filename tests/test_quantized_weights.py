@@ -199,19 +199,9 @@ def _dequantized_logits(llm, ids):
     """Logits of a float copy of ``llm``'s model whose weights are its quantized weights, dequantized."""
     import copy
 
-    from torch import nn
+    from hybridllm.models.quantized import dequantize_model
 
-    model = copy.deepcopy(llm.model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Int8Embedding):
-                setattr(parent, name, nn.Embedding.from_pretrained(child.dequantize()))
-            elif isinstance(child, (Int4Linear, Int8Linear, Int8GroupedLinear)):
-                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                linear.weight = nn.Parameter(child.dequantize(), requires_grad=False)
-                if child.bias is not None:
-                    linear.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
-                setattr(parent, name, linear)
+    model = dequantize_model(copy.deepcopy(llm.model))
     with torch.inference_mode():
         return model(torch.tensor([ids]), llm.new_cache(), start_pos=0, all_logits=True)[0]
 

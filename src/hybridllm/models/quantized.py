@@ -525,6 +525,24 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
     return model
 
 
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """The float counterpart of a quantized model, in place: every int4/int8 projection, head and
+    embedding becomes a float32 ``nn.Linear`` / ``nn.Embedding`` holding its dequantized weight
+    (and bias), so the model computes the exact product of its quantized weights: the reference
+    the quantized kernels' numerics are measured against."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Int8Embedding):
+                setattr(parent, name, nn.Embedding.from_pretrained(child.dequantize().float()))
+            elif isinstance(child, (Int4Linear, Int8Linear, Int8GroupedLinear)):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                linear.weight = nn.Parameter(child.dequantize().float(), requires_grad=False)
+                if child.bias is not None:
+                    linear.bias = nn.Parameter(child.bias.detach().float().clone(), requires_grad=False)
+                setattr(parent, name, linear)
+    return model
+
+
 def quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, name: str = "") -> nn.Module:
     """An Int4Linear/Int8Linear of a float weight, or an ``nn.Linear`` (logged) when no kernel fits."""
     device = weight.device
