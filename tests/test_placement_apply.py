@@ -20,7 +20,7 @@ from hybridllm.kvcache.factory import create_cache
 from hybridllm.kvcache.split import SplitCache
 from hybridllm.kvcache.tiered import TieredCache
 from hybridllm.placement import Placement
-from hybridllm.placement.adaptive import AdaptivePolicy
+from hybridllm.engine.adaptive import AdaptivePolicy
 from hybridllm.placement.apply import module_copy_on, tier_of_parameter
 from test_cli import assert_one_line_error, run_cli
 
@@ -181,7 +181,7 @@ def test_tier_of_parameter():
 # ---- adaptive re-planning ------------------------------------------------------------------
 def test_dynamic_cache_over_budget_moves_decoding_to_the_host(default_llm, reference, caplog):
     llm = LLM(weights="float", vram_budget=default_llm.weight_bytes["device"] + 100_000)  # far less than 24+8 tokens of KV
-    with caplog.at_level(logging.WARNING, logger="hybridllm.placement.adaptive"):
+    with caplog.at_level(logging.WARNING, logger="hybridllm.engine.adaptive"):
         out = llm.generate(PROMPT, GREEDY)
     assert out.token_ids == reference.token_ids
     assert out.metrics["decode_on"] == "host"

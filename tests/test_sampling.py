@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridllm.config import SamplingParams
-from hybridllm.engine.generator import StopStringMatcher
+from hybridllm.engine.output import StopStringMatcher
 from hybridllm.engine.sampling import Sampler, apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 from hybridllm.errors import ConfigError
 

@@ -14,6 +14,7 @@ from hybridllm.engine.scheduler import (
     AdmissionError,
     QueueFullError,
     Scheduler,
+    SchedulerObserver,
     SeqEvent,
     admission_decision,
     kv_bytes_needed,
@@ -91,8 +92,9 @@ def long_params(n: int = 40) -> SamplingParams:
 
 def test_request_that_can_never_fit_is_rejected_and_one_that_fits_later_waits(tiny_folder, tiny_weight_bytes):
     page = 16
-    llm = LLM(model=tiny_folder, kv_page_size=page, vram_budget=tiny_weight_bytes + 10 * page * 512)
-    sched = Scheduler(llm, max_batch=8)
+    llm = LLM(model=tiny_folder, kv_page_size=page, vram_budget=tiny_weight_bytes + 10 * page * 512,
+              kv_adaptive=False)
+    sched = Scheduler(llm.runtime, max_batch=8)
     assert sched.token_bytes == 512  # 2 layers x (K+V) x 2 kv heads x 16 dims x 4 bytes
     assert sched.capacity == 10 * page * 512  # dynamic: the device tier only
     prompt = llm.encode_prompt("The quick brown fox")
@@ -115,7 +117,7 @@ def test_request_that_can_never_fit_is_rejected_and_one_that_fits_later_waits(ti
 
 def test_abort_frees_kv_at_once_and_removes_waiting_requests(tiny_folder):
     llm = LLM(model=tiny_folder)
-    sched = Scheduler(llm, max_batch=2)
+    sched = Scheduler(llm.runtime, max_batch=2)
     out = Collector()
     prompt = llm.encode_prompt("Paris is the capital")
     for rid in ("a", "b", "c"):
@@ -140,7 +142,7 @@ def test_abort_frees_kv_at_once_and_removes_waiting_requests(tiny_folder):
 
 def test_full_queue_and_bad_prompts_are_refused(tiny_folder):
     llm = LLM(model=tiny_folder)
-    sched = Scheduler(llm, max_queue=1)
+    sched = Scheduler(llm.runtime, max_queue=1)
     prompt = llm.encode_prompt("hello")
     sched.submit("a", prompt, long_params(2), Collector().sink("a"))
     with pytest.raises(QueueFullError):
@@ -158,7 +160,7 @@ def test_loop_thread_serves_requests_and_stops(tiny_folder):
     import threading
 
     llm = LLM(model=tiny_folder)
-    sched = Scheduler(llm)
+    sched = Scheduler(llm.runtime)
     done = threading.Event()
     events: list[SeqEvent] = []
 
@@ -184,7 +186,7 @@ def test_tiered_kv_spills_cold_pages_to_the_host_under_device_pressure(tiny_fold
     budget = 10 * page * 512
     llm = LLM(model=tiny_folder, kv_cache="tiered", kv_page_size=page, kv_hot_window=4096,
               vram_budget=tiny_weight_bytes + budget)
-    sched = Scheduler(llm, max_batch=4)
+    sched = Scheduler(llm.runtime, max_batch=4)
     out = Collector()
     prompt = llm.encode_prompt("Hybrid inference splits")
     assert len(prompt) == 17
@@ -200,10 +202,45 @@ def test_tiered_kv_spills_cold_pages_to_the_host_under_device_pressure(tiny_fold
 
 
 def test_tiered_device_budget_too_small_for_a_first_chunk_is_rejected(tiny_folder, tiny_weight_bytes):
-    llm = LLM(model=tiny_folder, kv_cache="tiered", kv_page_size=8, vram_budget=tiny_weight_bytes + 2 * 8 * 512)
-    sched = Scheduler(llm)
+    llm = LLM(model=tiny_folder, kv_cache="tiered", kv_page_size=8, vram_budget=tiny_weight_bytes + 2 * 8 * 512,
+              kv_adaptive=False)
+    sched = Scheduler(llm.runtime)
     with pytest.raises(AdmissionError, match="first prefill chunk"):
         sched.submit("a", llm.encode_prompt("Hybrid inference splits"), long_params(4), Collector().sink("a"))
+
+
+def test_adaptive_capacity_counts_the_host_and_moves_sequences_there(tiny_folder, tiny_weight_bytes):
+    # device room for 4 pages of KV; each request needs 6: without the policy they are refused,
+    # with it (the default) they run, move to the host runner when the device fills, and finish
+    page = 16
+    budget = dict(kv_page_size=page, vram_budget=tiny_weight_bytes + 4 * page * 512)
+    prompt_text, n_new = "The quick brown fox", 6 * page - 5
+    strict = Scheduler(LLM(model=tiny_folder, kv_adaptive=False, **budget).runtime, host_budget=10**9)
+    prompt = strict.tokenizer.encode(prompt_text)
+    with pytest.raises(AdmissionError, match="bytes of KV"):
+        strict.submit("a", prompt, long_params(n_new), Collector().sink("a"))
+    llm = LLM(model=tiny_folder, **budget)
+    seen: list[str] = []
+
+    class Observer(SchedulerObserver):
+        def on_adaptive_action(self, seq, action):
+            seen.append(action.kind)
+
+    sched = Scheduler(llm.runtime, max_batch=4, host_budget=10**9, observer=Observer())
+    assert sched.capacity == 4 * page * 512 + 10**9
+    out = Collector()
+    for rid in "ab":
+        sched.submit(rid, prompt, long_params(n_new), out.sink(rid))
+    sched.run_until_idle()
+    reference_ids = LLM(model=tiny_folder).generate(prompt, long_params(n_new)).token_ids
+    for rid in "ab":
+        last = out.last(rid)
+        assert last.finish_reason == "length" and last.token_ids == reference_ids
+        assert last.metrics["decode_on"] == "host"
+        assert any("decoding moved to the host" in action for action in last.metrics["adaptive_actions"])
+    assert seen.count("move_to_host") == 2
+    assert sched.runtime.host_runner is not None
+    assert sched.ledger.current("device") == sched.ledger.current("host") == 0
 
 
 # ---- the default model: batched greedy == single-request generate ----------------------------
@@ -211,7 +248,7 @@ def test_batched_greedy_equals_single_request_generate(default_llm):
     # one request ends on a stop string mid-batch: a word from the middle of its own greedy answer
     words = reference(default_llm, CHAT_PROMPTS[2]).text.split()
     stops = {2: (words[len(words) // 2],)}
-    sched = Scheduler(default_llm, max_batch=16)
+    sched = Scheduler(default_llm.runtime, max_batch=16)
     out = Collector()
     for i, prompt in enumerate(CHAT_PROMPTS):
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=list(stops.get(i, ())))
@@ -262,7 +299,7 @@ def test_batched_caches_route_rows_to_their_own_caches(default_llm):
 def test_batched_placements_equal_single_request_generate(tiny_folder, placement):
     llm = LLM(model=tiny_folder, **placement)
     reference_llm = LLM(model=tiny_folder)
-    sched = Scheduler(llm, max_batch=4)
+    sched = Scheduler(llm.runtime, max_batch=4)
     out = Collector()
     prompts = ["The quick brown fox", "Paris is", "Hybrid inference splits layers", "hello"]
     for i, text in enumerate(prompts):
@@ -273,7 +310,7 @@ def test_batched_placements_equal_single_request_generate(tiny_folder, placement
     assert sched.ledger.current("device") == sched.ledger.current("host") == 0
     stats = sched.stats()
     if placement.get("decode_on") == "host":
-        assert sched.decode_model is not sched.model
+        assert sched.runtime.host_runner is not None and sched.runtime.host_runner is not sched.runtime.runner
         assert stats["bus_bytes"]["d2h"] > 0  # every prompt's KV crossed to the host
     if placement.get("n_gpu_layers") == 1:
         assert stats["bus_bytes"]["hidden_states"] > 0

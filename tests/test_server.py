@@ -365,9 +365,9 @@ def test_api_key_full_queue_and_kv_budget_in_process(default_llm):
     from hybridllm.server.app import create_app
 
     # the scheduler is never started: requests stay queued, which makes the queue checks exact
-    sched = Scheduler(default_llm, max_batch=1, max_queue=1)
-    app = create_app(sched, api_key="s3cret", manage_scheduler=False)
-    create_app(Scheduler(default_llm), manage_scheduler=False)  # a second app: its own metrics registry
+    sched = Scheduler(default_llm.runtime, max_batch=1, max_queue=1)
+    app = create_app(default_llm, sched, api_key="s3cret", manage_scheduler=False)
+    create_app(default_llm, Scheduler(default_llm.runtime), manage_scheduler=False)  # a second app: its own metrics registry
     with InProcessServer(app) as srv:
         base = srv.base
         good = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)

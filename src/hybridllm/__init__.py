@@ -1,7 +1,7 @@
 """hybridllm: local LLM inference that decides, and honours, where every byte lives."""
 
 from hybridllm.config import EngineConfig, KVConfig, ModelConfig, SamplingParams
-from hybridllm.engine.generator import GenerationResult
+from hybridllm.engine.llm_engine import GenerationResult
 from hybridllm.errors import HybridLLMError
 from hybridllm.llm import LLM
 

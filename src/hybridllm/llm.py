@@ -9,36 +9,18 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
-import torch
-
-from hybridllm.config import EngineConfig, KVConfig, SamplingParams
-from hybridllm.engine.generator import GenerationResult, Generator, StreamEvent
-from hybridllm.engine.metrics import ColdStart
-from hybridllm.engine.migration import PhaseMigration
-from hybridllm.engine.speed import apply_speed_transforms
+from hybridllm.config import EngineConfig, SamplingParams
+from hybridllm.engine.llm_engine import GenerationResult, LLMEngine, StreamEvent
 from hybridllm.errors import ConfigError
-from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.base import KVCache, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
-from hybridllm.kvcache.factory import create_cache
-from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
-from hybridllm.models.quantized import check_weights_mode, weights_format
-from hybridllm.placement.adaptive import AdaptivePolicy
-from hybridllm.placement.apply import (
-    TierDevices,
-    assign_tiers,
-    decode_weight_bytes,
-    host_decode_model,
-    place_tied_head,
-    weight_bytes_per_tier,
-    weight_device_for,
-)
-from hybridllm.placement.placement import TIER_NAMES, Placement
+from hybridllm.placement.placement import Placement
+from hybridllm.runtime.build import BuildOptions, backend_name, build_runtime, resolve_placement
+from hybridllm.runtime.migration import PhaseMigration
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -70,7 +52,9 @@ class LLM:
             PyTorch steps when that is impossible). Build and weight conversion count in the
             cold start.
         compile: ``torch.compile`` the layers' dense parts for decode steps; the compile runs
-            in a warm-up step at load and counts in the cold start.
+            in a warm-up step at load and counts in the cold start (the "compiled" backend).
+        decode_backend: the decode backend by name ("eager", "compiled", "native", ... see
+            ``hybridllm.runtime.backends``); "auto" follows ``native_decode`` and ``compile``.
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -78,7 +62,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | os.PathLike | None = None,
+        model: str | os.PathLike | Any | None = None,
         device: str = "cpu",
         dtype: str = "float32",
         threads: int | None = None,
@@ -91,80 +75,82 @@ class LLM:
         fuse: bool = True,
         native_decode: bool = True,
         compile: bool = False,
+        decode_backend: str = "auto",
         **kv_options: Any,
     ) -> None:
-        if weights is not None:
-            check_weights_mode(weights)
-        self.engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads)
-        unknown = set(kv_options) - set(KVConfig.__dataclass_fields__)
-        if unknown:
-            raise ConfigError(f"unknown LLM options: {', '.join(sorted(unknown))}")
-        if placement is not None and n_gpu_layers is not None:
-            raise ConfigError("give a placement file or --n-gpu-layers, not both")
-        if decode_on is not None and decode_on not in TIER_NAMES:
-            raise ConfigError(f"--decode-on must be 'device' or 'host', got {decode_on!r}")
-        if threads is not None:
-            torch.set_num_threads(threads)
-        self.cold_start = ColdStart()
-        self.checkpoint = open_checkpoint(model)
-        self.config = self.checkpoint.config
-        self.placement = resolve_placement(self.config.n_layers, placement, n_gpu_layers, decode_on, weights,
-                                           kv_options)
-        self.kv_config = self.placement.kv
-        weights = self.placement.weights
-        check_weights_mode(weights)
-        self.devices = TierDevices(self.engine_config.torch_device)
-        self.model = load_model(
-            self.checkpoint, self.engine_config.torch_dtype, weight_device_for(self.placement, self.devices),
-            self.cold_start, show_progress, weights=weights,
-        )
-        place_tied_head(self.model, self.placement, self.devices)
-        assign_tiers(self.model, self.placement)
-        self._speed = {"fuse": fuse, "native_decode": native_decode, "compile": compile}
-        apply_speed_transforms(self.model, **self._speed)
-        self.cold_start.compile_s = self.model.speed_report.seconds
-        self.weights_format = weights_format(self.model)
-        t0 = time.perf_counter()
-        self.tokenizer = self.checkpoint.tokenizer()
-        self.cold_start.tokenizer_s = time.perf_counter() - t0
-        self.weight_bytes = weight_bytes_per_tier(self.model)
-        self._migration: PhaseMigration | None = None
-        if self.placement.decode_on == "host":
-            t0 = time.perf_counter()
-            self.phase_migration()
-            self.cold_start.host_copy_s = time.perf_counter() - t0
-        # What a decode step reads (the decoding model's weights; native layers read their own copy).
-        self.decode_weight_bytes = decode_weight_bytes(self._migration.decode_model if self._migration else self.model)
-        self._generator = Generator(
-            self.model,
-            self.tokenizer,
-            self.new_cache,
-            device=self.devices.device,
-            prefill_chunk=prefill_chunk,
-            weight_bytes=self.weight_bytes,
-            decode_weight_bytes=self.decode_weight_bytes,
-            cold_start_s=self.cold_start.total_s,
-            weights_format=self.weights_format,
-            migration=self._migration,
-            adaptive=AdaptivePolicy(self.phase_migration) if self.kv_config.kv_adaptive else None,
-        )
-        if compile:
-            self._warm_up()
+        engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads)
+        checkpoint = open_checkpoint(model)
+        chosen = resolve_placement(checkpoint.config.n_layers, placement, n_gpu_layers, decode_on, weights, kv_options)
+        options = BuildOptions(fuse=fuse, decode_backend=backend_name(decode_backend, native_decode, compile),
+                               show_progress=show_progress)
+        self.runtime = build_runtime(checkpoint, engine_config, chosen, options)
+        self.engine = LLMEngine(self.runtime)
+
+    # ---- what was built -----------------------------------------------------------------
+    @property
+    def checkpoint(self) -> Any:
+        return self.runtime.checkpoint
+
+    @property
+    def config(self):
+        return self.runtime.config
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self.runtime.engine_config
+
+    @property
+    def placement(self) -> Placement:
+        return self.runtime.placement
+
+    @property
+    def kv_config(self):
+        return self.runtime.kv_config
+
+    @property
+    def tokenizer(self):
+        return self.runtime.tokenizer
+
+    @property
+    def runner(self):
+        """The model runner as placed (``runner(ids, cache, start_pos)`` -> logits)."""
+        return self.runtime.runner
+
+    @property
+    def model(self):
+        """The loaded model (pure: no devices or tiers of its own; run it through :attr:`runner`)."""
+        return self.runtime.runner.model
+
+    @property
+    def cold_start(self):
+        return self.runtime.cold_start
+
+    @property
+    def weight_bytes(self) -> dict[str, int]:
+        return self.runtime.weight_bytes
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        return self.runtime.decode_weight_bytes
+
+    @property
+    def weights_format(self) -> str:
+        return self.runtime.weights_format
 
     # ---- public API ---------------------------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerationResult:
         """Generate a completion of ``prompt`` (text, token ids, or chat messages)."""
-        return self._generator.generate(self.encode_prompt(prompt), params or SamplingParams())
+        return self.engine.generate(self.encode_prompt(prompt), params or SamplingParams())
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion's text as it is generated."""
-        for event in self._generator.stream(self.encode_prompt(prompt), params or SamplingParams()):
+        for event in self.engine.stream(self.encode_prompt(prompt), params or SamplingParams()):
             if event.text:
                 yield event.text
 
     def stream_events(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
         """Like :meth:`stream`, but the last event also carries the full result and metrics."""
-        yield from self._generator.stream(self.encode_prompt(prompt), params or SamplingParams())
+        yield from self.engine.stream(self.encode_prompt(prompt), params or SamplingParams())
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's own template."""
@@ -187,69 +173,13 @@ class LLM:
         ``ledger``: account the cache in this ledger (a server shares one across all its
         sequences); None gives the cache a fresh ledger with this engine's budgets.
         """
-        return create_cache(self.kv_config, self._kv_spec(), ledger if ledger is not None else self._kv_ledger(),
-                            layer_tiers=self.placement.layer_tiers)
+        return self.runtime.new_cache(ledger)
 
     def new_host_cache(self, ledger: MemoryLedger | None = None) -> DynamicCache:
         """An empty cache with every layer's KV in host RAM (where decoding continues after
         phase migration)."""
-        return DynamicCache(self._kv_spec(), ledger if ledger is not None else self._kv_ledger(),
-                            page_size=self.kv_config.kv_page_size, tier="host")
+        return self.runtime.new_host_cache(ledger)
 
     def phase_migration(self) -> PhaseMigration:
-        """Decoding on the host: a host copy of the device weights (made once) and host caches."""
-        if self._migration is None:
-            decode_model = apply_speed_transforms(host_decode_model(self.model, self.devices), **self._speed)
-            self.weight_bytes["host"] = weight_bytes_per_tier(decode_model)["host"]
-            self._migration = PhaseMigration(decode_model, self.new_host_cache)
-        return self._migration
-
-    # ---- internals ----------------------------------------------------------------------
-    def _warm_up(self) -> None:
-        """One short request, so torch.compile's compile lands in the cold start, not in TTFT."""
-        t0 = time.perf_counter()
-        self._generator.generate([0, 0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        self.cold_start.compile_s += time.perf_counter() - t0
-        self._generator.cold_start_s = self.cold_start.total_s
-
-    def _kv_spec(self) -> KVSpec:
-        cfg = self.config
-        return KVSpec(
-            n_layers=cfg.n_layers,
-            n_kv_heads=cfg.n_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=self.engine_config.torch_dtype,
-            device=self.devices.device,
-            host_device=self.devices.host,
-            max_tokens=cfg.max_position_embeddings,
-        )
-
-    def _kv_ledger(self) -> MemoryLedger:
-        """The KV ledger: the device tier gets what the VRAM budget leaves after the weights."""
-        budget = self.kv_config.vram_budget
-        if budget is None:
-            return MemoryLedger(threshold=self.kv_config.kv_threshold)
-        kv_budget = budget - self.weight_bytes["device"]
-        if kv_budget <= 0:
-            raise ConfigError(
-                f"the weights on the device take {self.weight_bytes['device']} bytes, more than the VRAM budget "
-                f"of {budget} bytes; raise --vram-budget or place fewer layers on the device"
-            )
-        return MemoryLedger({"device": kv_budget}, threshold=self.kv_config.kv_threshold)
-
-
-def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | None, n_gpu_layers: int | None,
-                      decode_on: str | None, weights: str | None, kv_options: dict[str, Any]) -> Placement:
-    """The run's placement: a given one (object or JSON file), else ``-ngl``, else all on the
-    device; explicit ``decode_on``, ``weights`` and KV options override what it says."""
-    if placement is None:
-        if n_gpu_layers is None:
-            chosen = Placement.all_on_device(n_layers, weights="auto")
-        else:
-            chosen = Placement.from_n_gpu_layers(n_layers, n_gpu_layers, weights="auto")
-    elif isinstance(placement, Placement):
-        chosen = placement.check_layer_count(n_layers)
-    else:
-        chosen = Placement.load(placement, n_layers)
-    kv = replace(chosen.kv, **kv_options) if kv_options else chosen.kv
-    return replace(chosen, kv=kv, decode_on=decode_on or chosen.decode_on, weights=weights or chosen.weights)
+        """Decoding on the host: the host runner (weights copied once) and host caches."""
+        return self.runtime.migration()

@@ -1,15 +1,24 @@
-"""Continuous batching: many requests share the model, one scheduler step at a time.
+"""The request loop: continuous batching over one built runtime.
 
-One loop thread owns the model (it is never called from two threads). Each step:
+Every request, from ``LLM.generate`` as from the server, runs through :class:`Scheduler`.
+``generate`` submits one sequence and steps until it finishes (nano-vllm's
+``LLMEngine.generate``); the server starts the loop on its own thread. Each step:
 
 1. applies aborts (a client that went away frees its KV now, not when it would have finished);
 2. admits waiting requests, first come first served, while the running set has room
-   (``max_batch``) and their KV fits (see :func:`admission_decision`);
-3. decodes one token for every running sequence in ONE batched forward: the rows' own KV
-   caches sit behind a :class:`~hybridllm.kvcache.batch.BatchedCaches`, and the rows' positions
-   go to the model as a (B,) ``start_pos``;
+   (``max_batch``) and their KV fits (see :func:`~hybridllm.engine.admission.admission_decision`);
+3. decodes one token for every running sequence: one batched forward per runner (the placed
+   runner, and the host runner for sequences that moved to the host); the rows' own KV caches
+   sit behind a :class:`~hybridllm.kvcache.batch.BatchedCaches`, their positions go to the
+   runner as a (B,) ``start_pos``;
 4. prefills new sequences in chunks of ``prefill_chunk`` prompt tokens, at most that many
-   tokens per step, so a long prompt does not stall the running decodes.
+   tokens per step, so a long prompt does not stall the running decodes. Chunk boundaries are
+   multiples of ``prefill_chunk``, so a sequence's forwards do not depend on its neighbours.
+
+Per-sequence policies run after each of a sequence's forwards: phase migration when its prompt
+is done (``--decode-on host``), and adaptive re-planning when a memory tier fills up
+(``--kv-adaptive``: halve a tiered hot window, quantize cold pages, or move the sequence to the
+host runner; a step that cannot fit at all is rolled back and re-run on the host).
 
 Finished sequences leave the running set at once and their KV is freed before their last
 event is sent. Every sequence keeps its own KV cache (paged, in whatever tiers its strategy
@@ -17,12 +26,7 @@ uses); all of them count in one shared :class:`~hybridllm.kvcache.base.MemoryLed
 strategy that evicts on ledger pressure (``tiered``) moves cold pages of running requests to
 the host instead of anything being preempted.
 
-Token selection, stop rules and text streaming mirror :class:`~hybridllm.engine.generator.Generator`
-step for step (same prefill chunk boundaries, same sampler calls, same stop-string matcher),
-so greedy output equals ``LLM.generate`` for the same prompt.
-
-Results go to each request's ``sink`` callable, called on the loop thread; the server passes
-one that hands events to its asyncio loop with ``loop.call_soon_threadsafe``.
+Results go to each request's ``sink`` callable, called on the loop's thread.
 """
 
 from __future__ import annotations
@@ -32,131 +36,31 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import psutil
 import torch
 
 from hybridllm.config import SamplingParams
+from hybridllm.engine.adaptive import AdaptiveAction, AdaptivePolicy
+from hybridllm.engine.admission import (
+    AdmissionError,
+    DeviceRoomError,
+    QueueFullError,
+    admission_decision,
+    kv_bytes_needed,
+    kv_capacity,
+)
+from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, synchronize
 from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.sampling import Sampler
+from hybridllm.engine.sequence import SeqEvent, SequenceState
 from hybridllm.errors import ConfigError, HybridLLMError
-from hybridllm.kvcache.base import TIERS, KVCache, MemoryLedger
+from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
-
-if TYPE_CHECKING:
-    from hybridllm.llm import LLM
 
 logger = logging.getLogger(__name__)
 
-# The tiers each KV strategy stores tokens in: admission counts only those budgets.
-KV_TIERS_BY_STRATEGY: dict[str, tuple[str, ...]] = {
-    "dynamic": ("device",),
-    "quantized": ("device",),
-    "offloaded": ("host",),
-    "host": ("host",),
-    "tiered": ("device", "host"),
-}
-
-
-class AdmissionError(HybridLLMError, ValueError):
-    """The request's KV can never fit in the budgets (the server answers 400)."""
-
-
-class QueueFullError(HybridLLMError):
-    """The waiting queue is full (the server answers 503 with Retry-After)."""
-
-
-# ---- admission: plain numbers ------------------------------------------------------------
-def kv_bytes_needed(n_tokens: int, token_bytes: int, page_size: int) -> int:
-    """Bytes of KV for ``n_tokens`` in whole pages of ``page_size`` tokens.
-
-    ``token_bytes`` is the KV of one token across all layers (K and V, full precision).
-    """
-    if n_tokens < 0 or token_bytes < 0 or page_size < 1:
-        raise ValueError("n_tokens and token_bytes must be >= 0 and page_size >= 1")
-    pages = -(-n_tokens // page_size)
-    return pages * page_size * token_bytes
-
-
-def kv_capacity(strategy: str, budgets: dict[str, int | None]) -> int | None:
-    """Bytes of KV the strategy may hold: the sum of the budgets of the tiers it stores in.
-
-    None when any of those tiers is unbounded.
-    """
-    total = 0
-    for tier in KV_TIERS_BY_STRATEGY.get(strategy, TIERS):
-        budget = budgets.get(tier)
-        if budget is None:
-            return None
-        total += budget
-    return total
-
-
-def admission_decision(need: int, reserved: int, capacity: int | None) -> str:
-    """"admit" when ``need`` bytes fit next to the ``reserved`` ones, "wait" when they will fit
-    once others finish, "reject" when they can never fit."""
-    if capacity is None:
-        return "admit"
-    if need > capacity:
-        return "reject"
-    return "admit" if reserved + need <= capacity else "wait"
-
-
-# ---- per-sequence state --------------------------------------------------------------------
-@dataclass
-class SeqEvent:
-    """What a sequence produced since its last event. The last one has ``finish_reason`` (or ``error``)."""
-
-    request_id: str
-    text: str = ""
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)  # every generated id, on the last event
-    full_text: str = ""  # the whole completion, on the last event
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-@dataclass(eq=False)
-class SequenceState:
-    """A request inside the scheduler: its prompt, its own KV cache, sampler, decoder, stop rules, times."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    kv_bytes: int  # reserved for admission: (prompt + max_new_tokens) in whole pages
-    sink: Callable[[SeqEvent], None]
-    arrival_time: float = field(default_factory=time.perf_counter)
-    cache: KVCache | None = None
-    sampler: Sampler | None = None
-    output: RequestOutput | None = None  # text, stop rules, token budget
-    history: torch.Tensor | None = None
-    prefilled: int = 0  # prompt tokens already in the cache
-    pending: int | None = None  # sampled token not yet fed to the model
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_time: float | None = None
-    finish_reason: str | None = None
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
-    @property
-    def generated(self) -> list[int]:
-        return [] if self.output is None else self.output.generated
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.pending is None and self.prefilled < len(self.prompt_ids)
+__all__ = ["AdmissionError", "QueueFullError", "Scheduler", "SchedulerObserver", "SeqEvent", "SequenceState"]
 
 
 class SchedulerObserver:
@@ -171,28 +75,31 @@ class SchedulerObserver:
     def on_token(self, seq: SequenceState, interval_s: float | None) -> None:
         """A token was sampled; ``interval_s`` since the previous one (None for the first)."""
 
+    def on_adaptive_action(self, seq: SequenceState, action: AdaptiveAction) -> None:
+        """The adaptive policy re-planned the sequence (``action``: its line, and ``action.kind``)."""
+
     def on_finished(self, seq: SequenceState) -> None:
         """The sequence left (``seq.finish_reason``: stop, length, abort or error); its KV is freed."""
 
     def on_step(self, decode_rows: int, prefill_tokens: int) -> None:
-        """A scheduler step ran: ``decode_rows`` sequences decoded in one batch, plus prefill tokens."""
+        """A scheduler step ran: ``decode_rows`` sequences decoded, plus prefill tokens."""
 
 
 class Scheduler:
-    """The continuous-batching scheduler of one loaded model.
+    """The request loop of one built runtime.
 
     Args:
-        llm: the loaded model; its engine's ``prefill_chunk`` sets the chunk size (and the
-            prefill token budget of a step), so chunk boundaries equal ``LLM.generate``'s.
+        runtime: the built model (:class:`~hybridllm.runtime.runtime.Runtime`); its engine's
+            ``prefill_chunk`` sets the chunk size and the prefill token budget of a step.
         max_batch: most sequences running at once (prefilling or decoding).
         max_queue: most requests waiting; more are refused with :class:`QueueFullError`.
-        host_budget: bytes of host RAM the KV may use (default: the RAM available now).
+        host_budget: bytes of host RAM the KV may use (None: unbounded).
         observer: metrics hooks.
     """
 
     def __init__(
         self,
-        llm: LLM,
+        runtime: Any,
         max_batch: int = 16,
         max_queue: int = 256,
         host_budget: int | None = None,
@@ -202,29 +109,26 @@ class Scheduler:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
-        self.llm = llm
-        self.model = llm.model
-        self.tokenizer = llm.tokenizer
-        self.device = llm.engine_config.torch_device
-        self.context_length = llm.config.max_position_embeddings
-        self.vocab_size = llm.config.vocab_size
-        self.prefill_chunk = llm.engine_config.prefill_chunk
+        self.runtime = runtime
+        self.tokenizer = runtime.tokenizer
+        self.device = runtime.engine_config.torch_device
+        self.context_length = runtime.config.max_position_embeddings
+        self.vocab_size = runtime.config.vocab_size
+        self.prefill_chunk = runtime.engine_config.prefill_chunk
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.observer = observer or SchedulerObserver()
-        engine_ledger = llm._kv_ledger()  # the device budget left after the weights
-        if host_budget is None:
-            host_budget = psutil.virtual_memory().available
-        self.ledger = MemoryLedger(
-            {"device": engine_ledger.budget("device"), "host": host_budget}, threshold=engine_ledger.threshold
-        )
-        probe = llm.new_cache(self.ledger)  # an empty cache: its spec gives the bytes per token
-        self.kv_strategy = probe.name
-        spec = probe.spec
-        probe.reset()  # frees anything a strategy allocates up front
-        self.page_size = llm.kv_config.kv_page_size
+        kv_config = runtime.kv_config
+        self.ledger: MemoryLedger = runtime.kv_ledger(host_budget)
+        self.kv_strategy = kv_config.kv_cache
+        spec = runtime.kv_spec()
+        self.page_size = kv_config.kv_page_size
         self.token_bytes = int(spec.token_bytes() * spec.n_layers)  # K+V of one token, all layers
-        self.capacity = kv_capacity(llm.kv_config.kv_cache, {t: self.ledger.budget(t) for t in TIERS})
+        self.adaptive = AdaptivePolicy(runtime.migration) if kv_config.kv_adaptive else None
+        budgets = {tier: self.ledger.budget(tier) for tier in TIERS}
+        # the adaptive policy can move any sequence's KV to the host: then both tiers bound it
+        self.capacity = kv_capacity("tiered" if self.adaptive else self.kv_strategy, budgets)
+        self.host_memory = HostPeakMemory()
         self._cond = threading.Condition()
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._running: list[SequenceState] = []
@@ -233,12 +137,7 @@ class Scheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._bus_done = {"h2d": 0, "d2h": 0}  # bus bytes of caches already freed
-        # --decode-on host: each sequence's KV moves to the host when its prompt is done, and
-        # every decode step runs on the host copy of the weights
-        self.migration = llm.phase_migration() if llm.placement.decode_on == "host" else None
-        self.decode_model = self.migration.decode_model if self.migration is not None else self.model
-        self._models = list({id(m): m for m in (self.model, self.decode_model)}.values())
-        self._hop_start = sum(m.hop_bytes for m in self._models)
+        self._hop_bytes = 0  # hidden-state bytes moved by every forward so far
         self.steps = 0
         self.decode_batch_sizes: collections.Counter[int] = collections.Counter()
 
@@ -251,7 +150,7 @@ class Scheduler:
         sink: Callable[[SeqEvent], None],
     ) -> SequenceState:
         """Queue a request. Raises ContextOverflowError (bad prompt), AdmissionError (can never
-        fit) or QueueFullError; otherwise ``sink`` gets its events from the loop thread."""
+        fit) or QueueFullError; otherwise ``sink`` gets its events from the loop's thread."""
         prompt = [int(t) for t in prompt_ids]
         self.check_prompt(prompt)
         max_new = min(params.max_tokens, self.context_length - len(prompt))
@@ -264,8 +163,8 @@ class Scheduler:
             )
         room = self.device_room_needed(len(prompt))
         limit = self.ledger.limit("device")
-        if room and room > limit:
-            raise AdmissionError(
+        if room and room > limit and self.adaptive is None:
+            raise DeviceRoomError(
                 f"the {self.kv_strategy} KV cache must keep the first prefill chunk on the device ({room} bytes), "
                 f"more than its device budget allows ({limit} bytes); raise --vram-budget or lower --prefill-chunk"
             )
@@ -281,7 +180,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> None:
         """Drop a request (its client went away): out of the queue now, or its KV freed at the
-        end of the current step."""
+        start of the next step."""
         with self._cond:
             for seq in self._waiting:
                 if seq.request_id == request_id:
@@ -303,11 +202,11 @@ class Scheduler:
         """
         if self.kv_strategy != "tiered" or self.ledger.limit("device") is None:
             return 0
-        tokens = self.llm.kv_config.kv_sink_tokens + min(prompt_len, self.prefill_chunk) + self.page_size
+        tokens = self.runtime.kv_config.kv_sink_tokens + min(prompt_len, self.prefill_chunk) + self.page_size
         return kv_bytes_needed(tokens, self.token_bytes, self.page_size)
 
     def check_prompt(self, prompt: list[int]) -> None:
-        """The generator's prompt rules: non-empty, shorter than the context, ids in the vocabulary."""
+        """The prompt rules: non-empty, shorter than the context, ids in the vocabulary."""
         check_prompt(prompt, self.context_length, self.vocab_size)
 
     def start(self) -> None:
@@ -327,6 +226,7 @@ class Scheduler:
             self._thread.join(timeout)
             self._thread = None
         self._fail_all("the server is shutting down")
+        self._stopping = False
 
     @property
     def is_running(self) -> bool:
@@ -349,11 +249,10 @@ class Scheduler:
         running = list(self._running)
         bus = dict(self._bus_done)
         for seq in running:
-            cache = seq.cache
-            if cache is not None:
+            for cache in seq.caches:
                 for direction, n in cache.bus_bytes.items():
                     bus[direction] = bus.get(direction, 0) + n
-        bus["hidden_states"] = sum(m.hop_bytes for m in self._models) - self._hop_start
+        bus["hidden_states"] = self._hop_bytes
         page_bytes = self.page_size * self.token_bytes
         kv_bytes = {tier: self.ledger.current(tier) for tier in TIERS}
         return {
@@ -378,22 +277,25 @@ class Scheduler:
             try:
                 self.step()
             except Exception as exc:  # never let the loop die: fail what was running, keep serving
-                logger.exception("scheduler step failed")
                 for seq in list(self._running):
-                    self._finish_error(seq, f"internal error: {exc}")
+                    self._fail(seq, exc, "internal error")
+
+    def has_work(self) -> bool:
+        """Whether anything is queued, running or waiting to be aborted."""
+        return bool(self._waiting or self._running or self._abort_ids)
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
         """Run steps on the calling thread until nothing is queued or running (tests, tools)."""
         if self.is_running:
             raise RuntimeError("the loop thread is running; do not step from another thread")
         steps = 0
-        while (self._waiting or self._running or self._abort_ids) and (max_steps is None or steps < max_steps):
+        while self.has_work() and (max_steps is None or steps < max_steps):
             self.step()
             steps += 1
         return steps
 
     def step(self) -> None:
-        """One iteration: aborts, admission, one batched decode, chunked prefill."""
+        """One iteration: aborts, admission, one batched decode per runner, chunked prefill."""
         self._apply_aborts()
         self._admit()
         if not self._running:
@@ -427,12 +329,12 @@ class Scheduler:
                     return  # wait until running sequences leave device room for its first chunk
                 self._waiting.popleft()
                 self._reserved += seq.kv_bytes
+                alone = not self._running
                 self._running.append(seq)
             try:
-                self._start(seq)
+                self._start(seq, alone)
             except Exception as exc:
-                logger.exception("could not start a sequence")
-                self._finish_error(seq, f"could not start the request: {exc}")
+                self._fail(seq, exc, "could not start the request")
 
     def _device_room_free(self, seq: SequenceState) -> bool:
         room = self.device_room_needed(len(seq.prompt_ids))
@@ -442,45 +344,76 @@ class Scheduler:
         promised = sum(self.device_room_needed(len(s.prompt_ids)) for s in self._running if s.prefilled == 0)
         return room + promised <= self.ledger.limit("device") - self.ledger.current("device")
 
-    def _start(self, seq: SequenceState) -> None:
+    def _start(self, seq: SequenceState, alone: bool) -> None:
+        """Give an admitted sequence its sampler, stop rules and KV cache on the placed runner.
+
+        ``alone``: nothing else runs, so the peak-memory figures restart with this sequence
+        (they are process- and ledger-wide).
+        """
         params = seq.params
         seq.scheduled_time = time.perf_counter()
         seq.sampler = Sampler(params)
         seq.output = RequestOutput(self.tokenizer, params, seq.max_new_tokens)
         if params.repetition_penalty != 1.0:
             seq.history = torch.tensor(seq.prompt_ids, dtype=torch.long)
-        seq.cache = self.llm.new_cache(self.ledger)
+        seq.adopt(self.runtime.new_cache(self.ledger), self.runtime.runner)
         if not self.device_room_needed(len(seq.prompt_ids)):
-            seq.cache.reserve(len(seq.prompt_ids) + seq.max_new_tokens)  # as the generator does
+            seq.cache.reserve(seq.reserve_tokens)
         # else (tiered under a device budget): no up-front reservation; the hot store grows page by
         # page, so running sequences share the device and spill their cold pages to the host
+        if alone:
+            self._reset_peaks()
         self.observer.on_scheduled(seq)
+        seq.start_time = time.perf_counter()
+        self._relieve(seq)
 
+    def _reset_peaks(self) -> None:
+        self.host_memory.reset()
+        self.ledger.reset_peaks()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ---- forwards ----------------------------------------------------------------------------
     def _decode_step(self) -> int:
-        """One batched forward of every decoding sequence; returns the batch size."""
-        batch = [seq for seq in self._running if seq.pending is not None]
-        if not batch:
-            return 0
-        self.decode_batch_sizes[len(batch)] += 1
+        """One batched forward per runner of every decoding sequence; returns the rows decoded."""
+        ready = [seq for seq in self._running if seq.pending is not None]
+        groups: dict[int, list[SequenceState]] = {}
+        for seq in ready:
+            groups.setdefault(id(seq.runner), []).append(seq)
+        for batch in groups.values():
+            self.decode_batch_sizes[len(batch)] += 1
+            try:
+                rows = self._decode_batch(batch)
+            except Exception as exc:
+                for seq in batch:
+                    self._fail(seq, exc, "decode failed")
+                continue
+            for seq, logits in zip(batch, rows):
+                seq.pending = None
+                self._sample(seq, logits)
+        return len(ready)
+
+    def _decode_batch(self, batch: list[SequenceState]) -> list[torch.Tensor]:
+        """The next-token logits (vocab,) of each row of one runner's decode batch."""
+        if len(batch) == 1:  # a lone sequence: exactly the forward of a prefill chunk of one token
+            seq = batch[0]
+            return [self._forward(seq, [seq.pending])[0, -1]]
+        runner = batch[0].runner
+        starts = [seq.cache.seq_length for seq in batch]
+        caches = BatchedCaches([seq.cache for seq in batch])
+        ids = torch.tensor([[seq.pending] for seq in batch], dtype=torch.long)  # (B, 1)
         try:
-            if len(batch) == 1:  # exactly the single-request generator's call
-                cache = batch[0].cache
-                ids = torch.tensor([[batch[0].pending]], dtype=torch.long, device=self.device)  # (1, 1)
-                logits = self.decode_model(ids, cache, start_pos=cache.seq_length)  # (1, 1, vocab)
-            else:
-                caches = BatchedCaches([seq.cache for seq in batch])
-                ids = torch.tensor([[seq.pending] for seq in batch], dtype=torch.long, device=self.device)  # (B, 1)
-                logits = self.decode_model(ids, caches, start_pos=caches.start_positions())  # (B, 1, vocab)
-            logits = logits.cpu()
-        except Exception as exc:
-            logger.exception("batched decode failed")
-            for seq in batch:
-                self._finish_error(seq, f"internal error during decode: {exc}")
-            return len(batch)
-        for row, seq in enumerate(batch):
-            seq.pending = None
-            self._sample(seq, logits[row, -1])
-        return len(batch)
+            logits = self._run_runner(runner, ids, caches, caches.start_positions(), batch).cpu()  # (B, 1, vocab)
+        except KVBudgetError:
+            if self.adaptive is None:
+                raise
+            # undo whatever rows appended, then step each row alone (where a row can move to the host)
+            for seq, start in zip(batch, starts):
+                seq.cache.truncate(start)
+            return [self._forward(seq, [seq.pending])[0, -1] for seq in batch]
+        for seq in batch:
+            self._relieve(seq)
+        return [logits[row, -1] for row in range(len(batch))]
 
     def _prefill_step(self) -> int:
         """Prefill chunks of new sequences, up to ``prefill_chunk`` tokens; returns the tokens run."""
@@ -488,21 +421,18 @@ class Scheduler:
         used = 0
         for seq in [s for s in self._running if s.in_prefill]:
             start = seq.prefilled
-            # the same chunk boundaries as Generator._prefill: multiples of prefill_chunk
             end = min(len(seq.prompt_ids), (start // self.prefill_chunk + 1) * self.prefill_chunk)
             if used and used + (end - start) > budget:
                 break
             used += end - start
             try:
-                ids = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)  # (1, T)
-                logits = self.model(ids, seq.cache, start_pos=seq.cache.seq_length).cpu()  # (1, 1, vocab)
+                logits = self._forward(seq, seq.prompt_ids[start:end])  # (1, 1, vocab)
             except Exception as exc:
-                logger.exception("prefill failed")
-                self._finish_error(seq, f"internal error during prefill: {exc}")
+                self._fail(seq, exc, "prefill failed")
                 continue
             seq.prefilled = end
             if end == len(seq.prompt_ids):
-                if self.migration is not None:
+                if self.runtime.placement.decode_on == "host":
                     self._migrate(seq)
                 self.observer.on_prompt_done(seq)
                 self._sample(seq, logits[0, -1])
@@ -510,26 +440,75 @@ class Scheduler:
                 break
         return used
 
+    def _forward(self, seq: SequenceState, tokens: list[int]) -> torch.Tensor:
+        """One forward of ``tokens`` on the sequence's runner and cache, then its policies.
+
+        A step that overflows the device budget mid-way (``KVBudgetError``) is rolled back to
+        its start and re-run on the host when the adaptive policy is on. Returns (1, 1, vocab)
+        logits on the CPU.
+        """
+        ids = torch.tensor([tokens], dtype=torch.long)  # (1, T); the runner moves it to the embedding
+        start = seq.cache.seq_length
+        try:
+            logits = self._run_runner(seq.runner, ids, seq.cache, start, [seq])
+        except KVBudgetError:
+            if self.adaptive is None:
+                raise
+            seq.cache.truncate(start)  # undo the layers that appended before the budget ran out
+            self._adopt(seq, self.adaptive.move_to_host(seq.cache, seq.reserve_tokens, seq.actions,
+                                                        "device KV budget exhausted mid-step"))
+            logits = self._run_runner(seq.runner, ids, seq.cache, start, [seq])
+        self._relieve(seq)
+        return logits.cpu()
+
+    def _run_runner(self, runner: Any, ids: torch.Tensor, cache: Any, start_pos: int | torch.Tensor,
+                    rows: list[SequenceState]) -> torch.Tensor:
+        """``runner(ids, cache, start_pos)``; its hidden-state hops are shared by the rows."""
+        hops_before = runner.hop_bytes
+        logits = runner(ids, cache, start_pos=start_pos)  # (B, 1, vocab)
+        moved = runner.hop_bytes - hops_before
+        self._hop_bytes += moved
+        for seq in rows:  # every row moves the same hidden-state bytes
+            seq.hop_bytes += moved // len(rows)
+        return logits
+
+    # ---- per-sequence policies ---------------------------------------------------------------
+    def _relieve(self, seq: SequenceState) -> None:
+        """Adaptive re-planning after a forward: when a tier is over its threshold."""
+        if self.adaptive is None:
+            return
+        self._adopt(seq, self.adaptive.relieve(seq.cache, seq.runner, seq.reserve_tokens, seq.actions))
+
+    def _adopt(self, seq: SequenceState, placed: tuple[Any, Any]) -> None:
+        """Continue ``seq`` on a (cache, runner) a policy chose; report new adaptive actions."""
+        cache, runner = placed
+        seq.adopt(cache, runner)
+        for action in seq.actions[seq.reported_actions:]:
+            self.observer.on_adaptive_action(seq, action)
+        seq.reported_actions = len(seq.actions)
+
     def _migrate(self, seq: SequenceState) -> None:
         """Move a prefilled sequence's KV to the host, where it decodes (``--decode-on host``)."""
-        prefill_cache = seq.cache
-        seq.cache = self.migration.migrate(prefill_cache, len(seq.prompt_ids) + seq.max_new_tokens)
-        for direction, n in prefill_cache.bus_bytes.items():
-            self._bus_done[direction] += n
+        migration = self.runtime.migration()
+        seq.adopt(migration.migrate(seq.cache, seq.reserve_tokens), migration.runner)
 
+    # ---- tokens and endings ------------------------------------------------------------------
     def _sample(self, seq: SequenceState, logits: torch.Tensor) -> None:
-        """Pick the next token and apply the generator's stop rules in the generator's order."""
+        """Pick the next token, then apply the stop rules."""
         params = seq.params
         token = seq.sampler(logits, seq.history if params.repetition_penalty != 1.0 else None)
         now = time.perf_counter()
         interval = None if seq.last_token_time is None else now - seq.last_token_time
+        if interval is not None:
+            seq.token_intervals.append(interval)
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
+        self.host_memory.sample()
         piece = seq.output.push(token)
         self.observer.on_token(seq, interval)
         if piece:
-            self._emit(seq, SeqEvent(seq.request_id, piece))
+            self._emit(seq, SeqEvent(seq.request_id, piece, token_id=token))
         if seq.output.finish_reason is not None:
             self._finish(seq, seq.output.finish_reason)
             return
@@ -540,17 +519,29 @@ class Scheduler:
     def _finish(self, seq: SequenceState, reason: str) -> None:
         tail = seq.output.tail()
         seq.finish_reason = reason
+        metrics = self._metrics(seq)
         self._release(seq)  # the KV is free before the client hears the end
         self._emit(seq, SeqEvent(
             seq.request_id, tail, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.generated), token_ids=list(seq.generated), full_text=seq.output.text,
+            metrics=metrics,
         ))
         self.observer.on_finished(seq)
 
-    def _finish_error(self, seq: SequenceState, message: str) -> None:
+    def _fail(self, seq: SequenceState, exc: Exception, context: str) -> None:
+        """End ``seq`` with an error: the user's (a budget, the prompt) in one line, anything else
+        logged with its traceback as an internal error."""
+        if isinstance(exc, HybridLLMError):
+            logger.info("%s: %s: %s", seq.request_id, context, exc)
+            self._finish_error(seq, exc, str(exc))
+        else:
+            logger.exception("%s: %s", seq.request_id, context)
+            self._finish_error(seq, exc, f"internal error: {context}: {exc}")
+
+    def _finish_error(self, seq: SequenceState, exc: BaseException | None, message: str) -> None:
         seq.finish_reason = "error"
         self._release(seq)
-        self._emit(seq, SeqEvent(seq.request_id, error=message, prompt_tokens=len(seq.prompt_ids),
+        self._emit(seq, SeqEvent(seq.request_id, error=message, exception=exc, prompt_tokens=len(seq.prompt_ids),
                                  completion_tokens=len(seq.generated)))
         self.observer.on_finished(seq)
 
@@ -558,19 +549,57 @@ class Scheduler:
         """Free the sequence's KV and its reservation; take it out of the running set."""
         seq.finish_time = time.perf_counter()
         seq.pending = None
-        cache, seq.cache = seq.cache, None
-        if cache is not None:
+        caches, seq.cache = seq.caches, None
+        for cache in caches:
             for direction, n in cache.bus_bytes.items():
                 self._bus_done[direction] = self._bus_done.get(direction, 0) + n
             try:
                 cache.reset()
             except Exception:
                 logger.exception("could not free a KV cache")
+        seq.caches = []
         with self._cond:
             if seq in self._running:
                 self._running.remove(seq)
                 self._reserved -= seq.kv_bytes
             self._cond.notify()
+
+    def _metrics(self, seq: SequenceState) -> dict[str, Any]:
+        """The request's figures (the keys ``generate --json`` and the bench promise)."""
+        runtime, caches = self.runtime, seq.caches
+        first = caches[0]
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            peak_device = torch.cuda.max_memory_allocated(self.device)
+        else:  # the CPU stands in for the device: report what the engine placed on the device tier
+            peak_device = runtime.weight_bytes["device"] + self.ledger.peak("device")
+        bus = {direction: sum(c.bus_bytes[direction] for c in caches) for direction in ("h2d", "d2h")}
+        bus["hidden_states"] = seq.hop_bytes
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.start_time
+        record = RequestMetrics(
+            cold_start_s=runtime.cold_start.total_s,
+            prompt_tokens=len(seq.prompt_ids),
+            generated_tokens=len(seq.generated),
+            ttft_s=ttft,
+            token_intervals_s=list(seq.token_intervals),
+            peak_host_bytes=self.host_memory.peak(),
+            peak_device_bytes=peak_device,
+            extra={
+                "kv_cache": first.name,
+                "kv_bytes": first.bytes_per_tier(),
+                "kv_peak_bytes": first.peak_bytes_per_tier(),
+                "kv_pages_moved": sum(c.pages_moved for c in caches),
+                "decode_on": "device" if len(caches) == 1 else "host",
+                "migration_bytes": sum(c.bus_bytes["d2h"] for c in caches[1:]),
+                "adaptive_actions": [str(action) for action in seq.actions],
+                "bus_bytes": sum(bus.values()),
+                "bus_bytes_detail": bus,
+                "weight_bytes": dict(runtime.weight_bytes),
+                "decode_weight_bytes": runtime.decode_weight_bytes,
+                "weights_format": runtime.weights_format,
+            },
+        )
+        return record.to_dict()
 
     def _emit(self, seq: SequenceState, event: SeqEvent) -> None:
         try:
@@ -586,4 +615,4 @@ class Scheduler:
             self._emit(seq, SeqEvent(seq.request_id, error=message, prompt_tokens=len(seq.prompt_ids)))
             self.observer.on_finished(seq)
         for seq in list(self._running):
-            self._finish_error(seq, message)
+            self._finish_error(seq, None, message)

@@ -4,7 +4,8 @@
     from hybridllm.engine.scheduler import Scheduler
     from hybridllm.server.app import create_app
 
-    app = create_app(Scheduler(LLM(), max_batch=16))   # serve with uvicorn.run(app, ...)
+    llm = LLM()
+    app = create_app(llm, Scheduler(llm.runtime, max_batch=16))   # serve with uvicorn.run(app, ...)
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and the OpenAPI schema at
@@ -75,21 +76,24 @@ def default_model_name(llm: Any) -> str:
 
 
 def create_app(
-    scheduler: Scheduler,
+    llm: Any,
+    scheduler: Scheduler | None = None,
     *,
     model_name: str | None = None,
     api_key: str | None = None,
     manage_scheduler: bool = True,
 ) -> FastAPI:
-    """Build the app around ``scheduler``.
+    """Build the app around ``llm`` (an ``LLM``: tokenizer, chat template) and its request loop.
 
     Args:
-        scheduler: the engine; its observer is replaced by this app's metrics.
+        llm: the loaded model.
+        scheduler: the request loop over ``llm.runtime`` (None: the one ``llm`` generates
+            with); its observer is replaced by this app's metrics.
         model_name: the served model id (default: from the checkpoint's path).
         api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
         manage_scheduler: start the scheduler's loop with the app and stop it at shutdown.
     """
-    llm = scheduler.llm
+    scheduler = scheduler if scheduler is not None else llm.engine.scheduler
     served = model_name or default_model_name(llm)
     aliases = {served, default_model_name(llm)}
     if llm.config.name:

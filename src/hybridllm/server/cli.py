@@ -82,6 +82,7 @@ def run_server(*, model: Any, host: str, port: int, api_key: str | None, max_bat
     host_bytes = parse_bytes(host_budget)
     EngineConfig(device=device, dtype=dtype, threads=threads, prefill_chunk=prefill_chunk)  # fail before loading
 
+    import psutil
     import uvicorn
 
     from hybridllm.engine.scheduler import Scheduler
@@ -90,8 +91,10 @@ def run_server(*, model: Any, host: str, port: int, api_key: str | None, max_bat
 
     llm = LLM(model=model, device=device, dtype=dtype, threads=threads, prefill_chunk=prefill_chunk, weights=weights,
               **kv)
-    scheduler = Scheduler(llm, max_batch=max_batch, max_queue=max_queue, host_budget=host_bytes)
-    app = create_app(scheduler, model_name=served_model_name, api_key=api_key)
+    if host_bytes is None:  # the KV may use the host RAM that is free now
+        host_bytes = psutil.virtual_memory().available
+    scheduler = Scheduler(llm.runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_bytes)
+    app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key)
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
                f"KV {scheduler.kv_strategy}, {llm.placement.n_gpu_layers}/{llm.config.n_layers} layers on the "
                f"device, decode on the {llm.placement.decode_on})", err=True)

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridllm.engine.adaptive import ADAPTIVE_ACTION_KINDS, AdaptiveAction
 from hybridllm.engine.scheduler import SchedulerObserver, SequenceState
 
 if TYPE_CHECKING:
@@ -81,6 +82,11 @@ class ServerMetrics(SchedulerObserver):
             self.request_success.labels(model_name, reason)
         for reason in ("queue_full", "kv_budget", "invalid", "unauthorized"):
             self.rejected.labels(model_name, reason)
+        self.adaptive_actions = Counter(
+            f"{PREFIX}adaptive_actions", "Re-planning actions taken while requests ran (--kv-adaptive), by kind.",
+            ["model_name", "action"], registry=reg)
+        for action in ADAPTIVE_ACTION_KINDS:
+            self.adaptive_actions.labels(model_name, action)
         reg.register(_EngineCollector(scheduler, model_name))
 
     # ---- scheduler hooks (loop thread) -----------------------------------------------------
@@ -96,6 +102,9 @@ class ServerMetrics(SchedulerObserver):
             self.ttft.observe(seq.first_token_time - seq.arrival_time)
         else:
             self.itl.observe(interval_s)
+
+    def on_adaptive_action(self, seq: SequenceState, action: AdaptiveAction) -> None:
+        self.adaptive_actions.labels(self.model_name, action.kind).inc()
 
     def on_finished(self, seq: SequenceState) -> None:
         self.request_success.labels(self.model_name, seq.finish_reason or "error").inc()
@@ -165,23 +174,21 @@ class _EngineCollector(Collector):
         for direction, n in stats["bus_bytes"].items():
             g.add_metric([name, direction], n)
         yield g
-        llm = s.llm
-        weights = getattr(llm, "weight_bytes", {}) or {}
+        runtime = s.runtime
         g = gauge("weight_bytes", "Model weight bytes per tier (the placement).", ["tier"])
-        for tier, n in weights.items():
+        for tier, n in runtime.weight_bytes.items():
             g.add_metric([name, tier], n)
         yield g
-        device = llm.engine_config.torch_device
-        on_device = llm.placement.n_gpu_layers
+        device = runtime.engine_config.torch_device
+        on_device = runtime.placement.n_gpu_layers
         g = gauge("placement_layers", "Decoder layers whose weights are on each tier.", ["tier"])
         g.add_metric([name, "device"], on_device)
-        g.add_metric([name, "host"], len(llm.model.model.layers) - on_device)
+        g.add_metric([name, "host"], runtime.config.n_layers - on_device)
         yield g
         g = gauge("placement_info", "The current placement (value 1; the labels describe it).",
                   ["device", "dtype", "weights", "kv_cache", "kv_page_size", "max_batch", "prefill_chunk",
                    "n_gpu_layers", "decode_on"])
-        weights_format = getattr(llm, "weights_format", None) or llm.engine_config.dtype
-        g.add_metric([name, str(device), llm.engine_config.dtype, str(weights_format), s.kv_strategy,
+        g.add_metric([name, str(device), runtime.engine_config.dtype, str(runtime.weights_format), s.kv_strategy,
                       str(s.page_size), str(s.max_batch), str(s.prefill_chunk), str(on_device),
-                      llm.placement.decode_on], 1)
+                      runtime.placement.decode_on], 1)
         yield g

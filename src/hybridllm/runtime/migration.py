@@ -2,37 +2,37 @@
 
 Prefill is compute-bound and wants the device; decode at long context is bound by reading the
 KV, and host RAM holds far more of it than VRAM. After the prompt is processed, every layer's KV
-moves once into a host-tier cache and decoding continues there on a host copy of the weights.
+moves once into a host-tier cache and decoding continues there on a host copy of the weights
+(the host runner).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from hybridllm.kvcache.base import KVCache, MemoryLedger
-from hybridllm.kvcache.dynamic import DynamicCache
-from hybridllm.models.llama import LlamaForCausalLM
 
 
 @dataclass
 class PhaseMigration:
-    """Moves a request's KV to the host after prefill and names the model that decodes there.
+    """Moves a sequence's KV to the host and names the runner that decodes there.
 
     Args:
-        decode_model: the model with every weight on the host.
+        runner: the model runner with every weight on the host.
         new_host_cache: builds an empty host-tier cache accounted in a given ledger.
     """
 
-    decode_model: LlamaForCausalLM
-    new_host_cache: Callable[[MemoryLedger], DynamicCache]
+    runner: Any  # hybridllm.runtime.runner.ModelRunner
+    new_host_cache: Callable[[MemoryLedger], KVCache]
 
-    def migrate(self, cache: KVCache, reserve_tokens: int = 0) -> DynamicCache:
+    def migrate(self, cache: KVCache, reserve_tokens: int = 0) -> KVCache:
         """A host cache holding everything ``cache`` held; ``cache`` is emptied (its memory freed).
 
-        ``reserve_tokens``: the request's prompt plus its token budget (allocated once).
+        ``reserve_tokens``: the sequence's prompt plus its token budget (allocated once).
         Only the tokens that were in the device tier count as moved bytes (the new cache's
         ``bus_bytes["d2h"]``).
         """

@@ -1,0 +1,97 @@
+"""``generate`` and ``stream`` over the request loop: submit, then step until the sequence ends.
+
+    engine = LLMEngine(runtime)
+    result = engine.generate(prompt_ids, SamplingParams(max_tokens=16, temperature=0))
+
+There is one request loop (:class:`~hybridllm.engine.scheduler.Scheduler`); a single request
+is a batch of one in it (nano-vllm's ``LLMEngine.generate``). When the loop already runs on its
+own thread (the server), the caller waits for the sequence's events instead of stepping.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridllm.config import SamplingParams
+from hybridllm.engine.scheduler import Scheduler
+from hybridllm.engine.sequence import SeqEvent
+from hybridllm.errors import HybridLLMError
+
+
+@dataclass
+class GenerationResult:
+    """What a request produced. ``finish_reason`` is "stop" (EOS or a stop string) or "length"."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StreamEvent:
+    """A piece of streamed output. The last event of a request carries the ``result``."""
+
+    text: str
+    token_id: int | None = None
+    result: GenerationResult | None = None
+
+
+class LLMEngine:
+    """Runs requests on a built runtime through its request loop.
+
+    Args:
+        runtime: the built model (:func:`hybridllm.runtime.build.build_runtime`).
+        max_batch, max_queue, host_budget: the loop's limits (see :class:`Scheduler`).
+    """
+
+    def __init__(self, runtime: Any, max_batch: int = 16, max_queue: int = 256,
+                 host_budget: int | None = None) -> None:
+        self.runtime = runtime
+        self.scheduler = Scheduler(runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget)
+        self._ids = itertools.count()
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
+        """Run a request to completion."""
+        for event in self.stream(prompt_ids, params):
+            if event.result is not None:
+                return event.result
+        raise RuntimeError("generation ended without a result")  # unreachable: stream always ends with one
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StreamEvent]:
+        """Run a request, yielding text pieces as they are decided; the last event has the result."""
+        prompt = [int(t) for t in prompt_ids]
+        events: queue.SimpleQueue[SeqEvent] = queue.SimpleQueue()
+        request_id = f"generate-{next(self._ids)}"
+        self.scheduler.submit(request_id, prompt, params, events.put)
+        finished = False
+        try:
+            while not finished:
+                event = self._next_event(events)
+                finished = event.finished
+                if event.error is not None:
+                    if isinstance(event.exception, HybridLLMError):
+                        raise event.exception  # the user's error (budgets, prompt): one line in the CLI
+                    raise RuntimeError(event.error) from event.exception
+                if event.text:
+                    yield StreamEvent(event.text, event.token_id)
+                if event.finish_reason is not None:
+                    result = GenerationResult(event.full_text, event.token_ids, prompt, event.finish_reason,
+                                              event.metrics or {})
+                    yield StreamEvent("", None, result)
+        finally:
+            if not finished:  # the consumer stopped early: free the sequence's KV now
+                self.scheduler.abort(request_id)
+                if not self.scheduler.is_running:
+                    self.scheduler.step()
+
+    def _next_event(self, events: queue.SimpleQueue[SeqEvent]) -> SeqEvent:
+        """The sequence's next event: step the loop here, or wait for the loop's thread."""
+        while events.empty() and not self.scheduler.is_running:
+            self.scheduler.step()
+        return events.get()

@@ -1,0 +1,95 @@
+"""A request inside the request loop, and the events it sends to its consumer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridllm.config import SamplingParams
+from hybridllm.engine.output import RequestOutput
+from hybridllm.engine.sampling import Sampler
+from hybridllm.kvcache.base import KVCache
+
+
+@dataclass
+class SeqEvent:
+    """What a sequence produced since its last event. The last one has ``finish_reason`` (or ``error``)."""
+
+    request_id: str
+    text: str = ""
+    token_id: int | None = None  # the token that completed ``text`` (None for the held-back tail)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    error: str | None = None
+    exception: BaseException | None = None  # what failed, for in-process callers to re-raise
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # every generated id, on the last event
+    full_text: str = ""  # the whole completion, on the last event
+    metrics: dict[str, Any] | None = None  # the request's figures, on the last event
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """A request in the loop: its prompt, where it runs (cache + runner), sampler, stop rules, times.
+
+    A sequence starts on the runtime's placed runner with a cache of the KV policy; phase
+    migration or the adaptive policy may move it to the host runner with a host cache
+    (:meth:`adopt`), so ``caches`` lists every cache it used, the first one first.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    kv_bytes: int  # reserved for admission: (prompt + max_new_tokens) in whole pages
+    sink: Callable[[SeqEvent], None]
+    arrival_time: float = field(default_factory=time.perf_counter)
+    cache: KVCache | None = None
+    runner: Any = None  # hybridllm.runtime.runner.ModelRunner the sequence steps on now
+    caches: list[KVCache] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)  # what the adaptive policy did
+    reported_actions: int = 0  # how many of ``actions`` the observer has heard of
+    hop_bytes: int = 0  # hidden-state bytes that crossed tiers for this sequence
+    sampler: Sampler | None = None
+    output: RequestOutput | None = None  # text, stop rules, token budget
+    history: torch.Tensor | None = None
+    prefilled: int = 0  # prompt tokens already in the cache
+    pending: int | None = None  # sampled token not yet fed to the model
+    scheduled_time: float | None = None
+    start_time: float | None = None  # when its first forward could start (TTFT counts from here)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_intervals: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Prompt plus token budget: the most tokens its KV will hold."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return [] if self.output is None else self.output.generated
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.pending is None and self.prefilled < len(self.prompt_ids)
+
+    def adopt(self, cache: KVCache, runner: Any) -> None:
+        """Continue on ``cache`` and ``runner`` (after a migration)."""
+        self.cache, self.runner = cache, runner
+        if not self.caches or self.caches[-1] is not cache:
+            self.caches.append(cache)

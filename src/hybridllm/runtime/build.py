@@ -1,0 +1,180 @@
+"""The one build path: checkpoint + placement + speed options -> a :class:`Runtime`.
+
+    runtime = build_runtime(open_checkpoint(path), EngineConfig(device="cpu"), placement,
+                            BuildOptions(decode_backend="auto"))
+
+Every front end builds through here: the ``LLM`` facade (and so the CLI, the server and the
+bench worker), the hardware probe of the engine's own decode path and the perplexity
+evaluation. The steps, each timed into the cold start:
+
+1. load every weight straight onto its tier's device (``loading``), in one projection layout;
+2. give a tied head its own copy when the head's tier differs from the embedding's;
+3. build the model runner: per-tier layer segments, hop counting, the decode backend;
+4. the tokenizer;
+5. ``--decode-on host``: the host runner (a host copy of the device weights) up front;
+6. a warm-up step when the backend compiles lazily (so compilation is not in the first TTFT).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from hybridllm.config import EngineConfig, KVConfig
+from hybridllm.engine.metrics import ColdStart
+from hybridllm.errors import ConfigError
+from hybridllm.loading.loader import load_model
+from hybridllm.models.quantized import check_weights_mode, weights_format
+from hybridllm.placement.apply import (
+    TierDevices,
+    assign_tiers,
+    decode_weight_bytes,
+    host_decode_model,
+    place_tied_head,
+    weight_bytes_per_tier,
+    weight_device_for,
+)
+from hybridllm.placement.placement import TIER_NAMES, Placement
+from hybridllm.runtime.runtime import Runtime
+
+
+class _InterimRunner:  # INTERIM until the runner lands
+    def __init__(self, model):
+        self.model = model
+
+    @property
+    def hop_bytes(self):
+        return self.model.hop_bytes
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def build_runner(model, placement, devices, backend, fuse=True):  # INTERIM until the runner lands
+    from hybridllm.engine.speed import apply_speed_transforms
+    assign_tiers(model, placement)
+    return _InterimRunner(apply_speed_transforms(model, native_decode=backend in ("auto", "native"),
+                                                 compile=backend == "compiled", fuse=fuse))
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to build the runners.
+
+    Attributes:
+        fuse: one stacked matrix for q/k/v and one for gate/up (False: the parts stay separate
+            matrices behind the same layout).
+        decode_backend: "auto" or a registered backend name (``hybridllm.runtime.backends``).
+        show_progress: progress bar while loading (None: on a terminal for large files).
+    """
+
+    fuse: bool = True
+    decode_backend: str = "auto"
+    show_progress: bool | None = None
+
+
+def backend_name(decode_backend: str = "auto", native_decode: bool = True, compile: bool = False) -> str:
+    """The decode backend the facade's flags ask for: an explicit name wins; else ``compile``
+    means "compiled", ``native_decode=False`` means "eager", and "auto" picks per machine."""
+    if decode_backend != "auto":
+        return decode_backend
+    if compile:
+        return "compiled"
+    return "auto" if native_decode else "eager"
+
+
+def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | None, n_gpu_layers: int | None,
+                      decode_on: str | None, weights: str | None, kv_options: dict[str, Any]) -> Placement:
+    """The run's placement: a given one (object or JSON file), else ``-ngl``, else all on the
+    device; explicit ``decode_on``, ``weights`` and KV options override what it says."""
+    unknown = set(kv_options) - set(KVConfig.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"unknown LLM options: {', '.join(sorted(unknown))}")
+    if placement is not None and n_gpu_layers is not None:
+        raise ConfigError("give a placement file or --n-gpu-layers, not both")
+    if decode_on is not None and decode_on not in TIER_NAMES:
+        raise ConfigError(f"--decode-on must be 'device' or 'host', got {decode_on!r}")
+    if weights is not None:
+        check_weights_mode(weights)
+    if placement is None:
+        if n_gpu_layers is None:
+            chosen = Placement.all_on_device(n_layers, weights="auto")
+        else:
+            chosen = Placement.from_n_gpu_layers(n_layers, n_gpu_layers, weights="auto")
+    elif isinstance(placement, Placement):
+        chosen = placement.check_layer_count(n_layers)
+    else:
+        chosen = Placement.load(placement, n_layers)
+    kv = replace(chosen.kv, **kv_options) if kv_options else chosen.kv
+    resolved = replace(chosen, kv=kv, decode_on=decode_on or chosen.decode_on, weights=weights or chosen.weights)
+    check_weights_mode(resolved.weights)
+    return resolved
+
+
+def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Placement,
+                  options: BuildOptions = BuildOptions()) -> Runtime:
+    """Load ``checkpoint`` as ``placement`` says and build everything a request needs.
+
+    Args:
+        checkpoint: an opened checkpoint (``hybridllm.loading.registry.open_checkpoint``).
+        engine_config: device, dtype, prefill chunk, threads.
+        placement: per-layer tiers, KV policy, decode tier, weight format (already resolved
+            against the model's layer count: :func:`resolve_placement`).
+        options: fusion, decode backend, progress bar.
+    """
+    if engine_config.threads is not None:
+        torch.set_num_threads(engine_config.threads)
+    cold_start = ColdStart()
+    devices = TierDevices(engine_config.torch_device)
+    model = load_model(checkpoint, engine_config.torch_dtype, weight_device_for(placement, devices), cold_start,
+                       options.show_progress, weights=placement.weights)
+    place_tied_head(model, placement, devices)
+    t0 = time.perf_counter()
+    runner = build_runner(model, placement, devices, options.decode_backend, options.fuse)
+    cold_start.compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tokenizer = checkpoint.tokenizer()
+    cold_start.tokenizer_s = time.perf_counter() - t0
+
+    def build_host_runner() -> tuple[Any, dict[str, int]]:
+        host_model = host_decode_model(model, devices)  # INTERIM: tiers set by host_decode_model
+        from hybridllm.engine.speed import apply_speed_transforms
+        b = options.decode_backend
+        apply_speed_transforms(host_model, native_decode=b in ("auto", "native"), compile=b == "compiled", fuse=options.fuse)
+        return _InterimRunner(host_model), weight_bytes_per_tier(host_model)
+
+    runtime = Runtime(
+        checkpoint=checkpoint, config=checkpoint.config, engine_config=engine_config, placement=placement,
+        devices=devices, tokenizer=tokenizer, runner=runner, cold_start=cold_start,
+        weight_bytes=weight_bytes_per_tier(model), decode_weight_bytes=0,
+        weights_format=weights_format(model), build_host_runner=build_host_runner,
+    )
+    if placement.decode_on == "host":
+        t0 = time.perf_counter()
+        runtime.migration()
+        cold_start.host_copy_s = time.perf_counter() - t0
+    decoding = runtime.host_runner if runtime.host_runner is not None else runner
+    runtime.decode_weight_bytes = decode_weight_bytes(decoding.model)
+    if options.decode_backend == "compiled":
+        t0 = time.perf_counter()
+        warm_up(runtime)
+        cold_start.compile_s += time.perf_counter() - t0
+    return runtime
+
+
+def warm_up(runtime: Runtime) -> None:
+    """A two-token prefill and two decode steps on a scratch cache, so a lazily compiling
+    backend compiles now (in the cold start), not in the first request's TTFT."""
+    runner = runtime.host_runner if runtime.host_runner is not None else runtime.runner
+    cache = runtime.new_host_cache() if runtime.host_runner is not None else runtime.new_cache()
+    try:
+        with torch.inference_mode():
+            runner(torch.zeros(1, 2, dtype=torch.long), cache, start_pos=0)  # (1, 2) prefill
+            for _ in range(2):
+                runner(torch.zeros(1, 1, dtype=torch.long), cache, start_pos=cache.seq_length)  # (1, 1) decode
+    finally:
+        cache.reset()
