@@ -18,7 +18,6 @@ import torch
 
 from hybridllm.config import EngineConfig, KVConfig, SamplingParams
 from hybridllm.engine.generator import GenerationResult, Generator, StreamEvent
-from hybridllm.engine.metrics import ColdStart
 from hybridllm.engine.migration import PhaseMigration
 from hybridllm.engine.speed import apply_speed_transforms
 from hybridllm.errors import ConfigError
@@ -39,6 +38,7 @@ from hybridllm.placement.apply import (
     weight_device_for,
 )
 from hybridllm.placement.placement import TIER_NAMES, Placement
+from hybridllm.timing import ColdStart
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 

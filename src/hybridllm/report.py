@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hybridllm.engine.metrics import ColdStart
+from hybridllm.timing import ColdStart
 
 
 def format_bytes(n: int | float | None) -> str:

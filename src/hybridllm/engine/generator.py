@@ -9,13 +9,14 @@ from typing import Any
 import torch
 
 from hybridllm.config import SamplingParams
-from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, RequestTimer, synchronize
+from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, RequestTimer
 from hybridllm.engine.migration import PhaseMigration
 from hybridllm.engine.output import RequestOutput, StopStringMatcher, check_prompt  # noqa: F401 (re-exported)
 from hybridllm.engine.sampling import Sampler
 from hybridllm.kvcache.base import KVBudgetError, KVCache
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.placement.adaptive import AdaptivePolicy
+from hybridllm.timing import synchronize
 
 
 @dataclass
