@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, summarize, synthetic_prompt_ids
 from hybridllm.bench.sweep import ROW_MARKER, BenchConfig, base_row
 from hybridllm.config import ModelConfig
+from hybridllm.units import format_bytes
 
 WARMUP_PROMPT_TOKENS = 16
 WARMUP_NEW_TOKENS = 2
@@ -140,8 +141,8 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     if needed is not None:
         available = _available_host_bytes()
         if needed * MEMORY_MARGIN > available:
-            return {"status": "oom", "error": f"predicted (not run): needs at least {needed / 2**30:.1f} GiB of RAM "
-                                              f"for weights and KV, {available / 2**30:.1f} GiB available"}
+            return {"status": "oom", "error": f"predicted (not run): needs at least {format_bytes(needed)} of RAM "
+                                              f"for weights and KV, {format_bytes(available)} available"}
     start = time.perf_counter()
     runner = make_runner(config)
     load_s = time.perf_counter() - start
