@@ -56,12 +56,7 @@ class HybridRunner:
             options["weights"] = config.weights
         self.random = bool(config.random_weights)
         self.seed = config.seed
-        if config.random_weights:
-            from hybridllm.bench.random_weights import random_llm
-
-            self.llm = random_llm(config.random_weights, seed=config.seed, **options)
-        else:
-            self.llm = LLM(model=config.model, show_progress=False, **options)
+        self.llm = LLM(model=config.checkpoint(), show_progress=False, **options)
 
     def prompt(self, n_tokens: int) -> list[int]:
         if self.random:
@@ -104,12 +99,8 @@ def make_runner(config: BenchConfig) -> Runner:
 
 
 def model_config(config: BenchConfig) -> ModelConfig:
-    from hybridllm.bench.random_weights import read_config
-    from hybridllm.loading.registry import open_checkpoint
-
-    if config.random_weights:
-        return read_config(config.random_weights)
-    return open_checkpoint(config.model).config
+    """The configuration's model architecture (read from the checkpoint's header or config.json)."""
+    return config.checkpoint().config
 
 
 def predicted_host_bytes(config: BenchConfig, model: ModelConfig) -> int | None:
