@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hybridllm.bench import report
 from hybridllm.bench.sweep import build_grid, parse_contexts, run_sweep
+from hybridllm.units import format_bytes
 
 HEADING = "## Foundation: decode and prefill vs llama.cpp and transformers (CPU, 2 threads)"
 ENGINE_ORDER = {"hybridllm": 0, "llama.cpp": 1, "transformers": 2}
@@ -50,7 +51,7 @@ def table(rows: list[dict]) -> str:
             ratio,
             report.fmt_seconds(row.get("tpot_p50_s")),
             report.fmt_seconds(row.get("tpot_p99_s")),
-            report.fmt_bytes(row.get("peak_host_bytes")),
+            format_bytes(row.get("peak_host_bytes")),
             status,
         ])
     text = report.markdown(HEADERS, records)
@@ -70,7 +71,7 @@ def section(rows: list[dict], machine: dict, command: str, args: argparse.Namesp
         command,
         "```",
         "",
-        (f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_bytes'] / 2**30:.0f} GiB RAM, "
+        (f"- machine: {machine['cpu']}, {machine['cores']} cores, {format_bytes(machine['ram_bytes'], 0)} RAM, "
          f"{'GPU ' + machine['gpu'] if machine['gpu'] else 'no GPU'}; {machine['os']}"),
         f"- software: Python {machine['python']}, {versions}",
         (f"- 1-minute load average of the machine (other work included): {load[0]:.2f} at the start, "

@@ -33,6 +33,7 @@ from hybridllm import LLM, SamplingParams
 from hybridllm.bench import report
 from hybridllm.config import KVConfig, ModelConfig
 from hybridllm.loading.registry import open_checkpoint
+from hybridllm.units import format_bytes
 
 # name -> KV options (the CLI flags in snake case); the knobs not named keep their defaults.
 STRATEGIES: dict[str, dict[str, Any]] = {
@@ -151,8 +152,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         records.append([
             report.fmt_context(row["context"]), row["model"], row["kv_cache"],
             report.fmt_rate(row.get("prefill_tps")), report.fmt_rate(row.get("decode_tps")),
-            report.fmt_bytes(row.get("kv_peak_device")), report.fmt_bytes(row.get("kv_peak_host")),
-            report.fmt_bytes(row.get("bus_h2d")), report.fmt_bytes(row.get("bus_d2h")),
+            format_bytes(row.get("kv_peak_device")), format_bytes(row.get("kv_peak_host")),
+            format_bytes(row.get("bus_h2d")), format_bytes(row.get("bus_d2h")),
             str(row.get("pages_moved", "-")), "ok" if ok else f"{row['status']}: {row.get('error', '')}",
         ])
     return report.markdown(HEADERS, records)

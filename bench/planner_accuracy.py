@@ -68,6 +68,7 @@ def main() -> int:
     from hybridllm.llm import LLM
     from hybridllm.placement.plan import hardware_from, load_model_config, plan, predicted_for_run
     from hybridllm.placement.probe import probe_machine
+    from hybridllm.units import format_bytes
 
     torch.set_num_threads(args.threads)
     cfg, name, _ = load_model_config(None)
@@ -121,7 +122,7 @@ def main() -> int:
         })
     load_after = os.getloadavg()
 
-    machine = (f"{profile.cpu_model}, {profile.logical_cpus} logical CPUs, {profile.ram_total_bytes / 2**30:.1f} GiB RAM,"
+    machine = (f"{profile.cpu_model}, {profile.logical_cpus} logical CPUs, {format_bytes(profile.ram_total_bytes)} RAM,"
                f" {platform.system()} {platform.release()}, torch {torch.__version__}, no GPU"
                if profile.gpu is None else f"{profile.cpu_model} + {profile.gpu.name}")
     print(f"model: {name} ({cfg.n_layers} layers), float32 on the CPU, {args.threads} threads, greedy, "

@@ -242,7 +242,7 @@ def test_plots_with_host_device_pairs(tmp_path):
 
 # ---- random weights -----------------------------------------------------------------------------
 def test_shipped_configs_have_the_published_shapes():
-    from hybridllm.bench.random_weights import read_config, read_hf_config
+    from hybridllm.loading.hf_config import read_config, read_hf_config
 
     llama = read_config(REPO / "configs" / "llama-3.2-1b.json")
     assert (llama.n_layers, llama.hidden_size, llama.intermediate_size, llama.n_heads, llama.n_kv_heads,
@@ -259,6 +259,23 @@ def test_shipped_configs_have_the_published_shapes():
         "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
     }
     assert round(read_config(REPO / "configs" / "mistral-7b.json").parameter_count() / 1e9, 2) == 7.24
+
+
+def test_random_weights_are_a_checkpoint_source(tiny_config_json, tiny_gguf):
+    from hybridllm.loading.checkpoint import Checkpoint
+    from hybridllm.loading.random_checkpoint import RandomCheckpoint
+    from hybridllm.loading.registry import open_checkpoint
+
+    random = BenchConfig(random_weights=tiny_config_json, dtype="bfloat16", seed=3).checkpoint()
+    assert isinstance(random, RandomCheckpoint) and random.dtype == torch.bfloat16 and random.seed == 3
+    assert open_checkpoint(random) is random  # an opened checkpoint passes through unchanged
+    gguf = open_checkpoint(tiny_gguf)
+    hf_folder = open_checkpoint(Path(tiny_gguf).parent / "llama")
+    for checkpoint in (random, gguf, hf_folder):
+        assert isinstance(checkpoint, Checkpoint)
+    assert (gguf.file_format, hf_folder.file_format, random.file_format) == ("gguf", "safetensors", "random")
+    assert random.read("model.norm.weight").dtype == torch.bfloat16
+    assert random.nbytes("model.embed_tokens.weight") == TINY_CONFIG["vocab_size"] * TINY_CONFIG["hidden_size"] * 2
 
 
 def test_random_weights_model_generates_and_matches_transformers(tiny_config_json):

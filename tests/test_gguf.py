@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridllm.loading.gguf import GGUFFile, permute_rows, unpermute_rows
+from hybridllm.formats.gguf_qk_permutation import permute_rows, unpermute_rows
+from hybridllm.loading.gguf import GGUFFile
 
 TOLERANCE = {"F32": 0.0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.02, "Q5_0": 0.15, "Q5_1": 0.12, "Q4_0": 0.3,
              "Q4_1": 0.25}

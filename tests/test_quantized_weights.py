@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridllm.loading.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
+from hybridllm.formats.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
 from hybridllm.models.quantized import (
     Int4Linear,
     Int8Embedding,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hybridllm.errors import ConfigError
+from hybridllm.units import parse_bytes
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -202,36 +203,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-
-
-def parse_bytes(value: str | int | None) -> int | None:
-    """Parse a byte count with an optional unit ("8GiB", "512MB", "1.5G", 1024) into an int.
-
-    Decimal units (kB, MB, GB) are powers of 1000, binary ones (KiB, MiB, GiB) powers of 1024.
-    """
-    if value is None or isinstance(value, int):
-        if isinstance(value, int) and value < 0:
-            raise ConfigError(f"byte count must be >= 0, got {value}")
-        return value
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    if unit not in _UNITS or not number:
-        raise ConfigError(f"invalid byte count {value!r}; use e.g. 8GiB, 512MiB, 2GB or a plain number")
-    try:
-        amount = float(number)
-    except ValueError:
-        raise ConfigError(f"invalid byte count {value!r}; use e.g. 8GiB, 512MiB, 2GB or a plain number") from None
-    if amount < 0 or not math.isfinite(amount):
-        raise ConfigError(f"byte count must be >= 0, got {value!r}")
-    return int(amount * _UNITS[unit])
 
 
 @dataclass

@@ -18,6 +18,8 @@ from typing import Annotated, Any
 
 import typer
 
+from hybridllm.units import format_bytes
+
 OK, WARN, UNKNOWN = "ok", "warn", "unknown"
 SWAPPINESS_MAX = 10
 
@@ -152,7 +154,7 @@ def check_memlock(has_gpu: bool = False, limits: tuple[int, int] | None = None) 
                      "need `ulimit -l unlimited`")
     if soft == resource.RLIM_INFINITY:
         return Check("locked memory (ulimit -l)", OK, "unlimited", "pinned (page-locked) host buffers are not capped")
-    value = f"{soft // 1024} KiB"
+    value = format_bytes(soft, 0)
     advice = ("raise it with `ulimit -l unlimited` (Docker: --ulimit memlock=-1; systemd: LimitMEMLOCK=infinity): "
               "pinned host buffers above the limit fail or fall back to pageable copies at about half the bus speed")
     if not has_gpu:
@@ -193,10 +195,10 @@ def check_cgroup_memory(root: Path = Path("/"), ram_total: int | None = None) ->
             return Check("container memory limit", OK, "none", "no cgroup memory limit")
         return Check("container memory limit", UNKNOWN, None, "cannot read the cgroup memory limit; if this is a "
                      "container, plan with --ram set to its limit")
-    value = f"{limit / 2**30:.1f} GiB"
+    value = format_bytes(limit)
     if ram_total is not None and limit < ram_total:
         return Check("container memory limit", WARN, value, f"the container may use {value} of "
-                     f"{ram_total / 2**30:.1f} GiB RAM; the planner budgets for the limit (or pass --ram)")
+                     f"{format_bytes(ram_total)} RAM; the planner budgets for the limit (or pass --ram)")
     return Check("container memory limit", OK, value, "the limit is not below the machine's RAM")
 
 
@@ -282,8 +284,8 @@ def print_report(report: dict[str, Any]) -> None:
         return "-" if x is None else f"{x:.1f} GB/s"
 
     meas.add_row("CPU", f"{p['cpu_model']}, {p['logical_cpus']} logical CPUs, measured with {p['threads']} threads")
-    meas.add_row("RAM", f"{p['ram_total_bytes'] / 2**30:.1f} GiB total, {p['ram_available_bytes'] / 2**30:.1f} GiB "
-                 "available" + (f", container limit {p['cgroup_memory_limit_bytes'] / 2**30:.1f} GiB"
+    meas.add_row("RAM", f"{format_bytes(p['ram_total_bytes'])} total, {format_bytes(p['ram_available_bytes'])} "
+                 "available" + (f", container limit {format_bytes(p['cgroup_memory_limit_bytes'])}"
                                 if p["cgroup_memory_limit_bytes"] else ""))
     meas.add_row("host memory bandwidth", f"read {gbs(p['host_read_gbs'])}, copy {gbs(p['host_copy_gbs'])}, "
                  f"matrix-vector {gbs(p['host_gemv_gbs'])}")
@@ -297,8 +299,8 @@ def print_report(report: dict[str, Any]) -> None:
                  f"{p['host_token_overhead_s'] * 1e6:.0f} us per token")
     g = p.get("gpu")
     if g:
-        meas.add_row("GPU", f"{g['name']}: {g['vram_total_bytes'] / 2**30:.1f} GiB VRAM, "
-                     f"{g['vram_free_bytes'] / 2**30:.1f} GiB free, NUMA node {g['numa_node']}")
+        meas.add_row("GPU", f"{g['name']}: {format_bytes(g['vram_total_bytes'])} VRAM, "
+                     f"{format_bytes(g['vram_free_bytes'])} free, NUMA node {g['numa_node']}")
         meas.add_row("device memory bandwidth", gbs(g["bandwidth_gbs"]))
         meas.add_row("host->device", f"pinned {gbs(g['h2d_pinned_gbs'])}, pageable {gbs(g['h2d_pageable_gbs'])}")
         meas.add_row("device->host", f"pinned {gbs(g['d2h_pinned_gbs'])}, pageable {gbs(g['d2h_pageable_gbs'])}")
@@ -308,13 +310,14 @@ def print_report(report: dict[str, Any]) -> None:
     d = p.get("disk")
     if d:
         note = f"; {d['note']}" if d["note"] else ""
-        meas.add_row("disk read", f"{gbs(d['read_gbs'])} over {d['bytes_read'] / 2**20:.0f} MiB of "
+        meas.add_row("disk read", f"{gbs(d['read_gbs'])} over {format_bytes(d['bytes_read'], 0)} of "
                      f"{Path(d['path']).name} ({d['method']}{note})")
     m = report.get("model")
     if m and "error" not in m:
         w = m["weights_bytes"]
-        meas.add_row("model", f"{m['name']}: {m['parameters'] / 1e6:.0f}M parameters, float16 {w['float16'] / 1e9:.2f}"
-                     f" GB, q4_k_m {w['q4_k_m'] / 1e9:.2f} GB (see `hybridllm plan`)")
+        float16, q4_k_m = (format_bytes(w[fmt], 2, decimal=True) for fmt in ("float16", "q4_k_m"))
+        meas.add_row("model", f"{m['name']}: {m['parameters'] / 1e6:.0f}M parameters, float16 {float16}, "
+                     f"q4_k_m {q4_k_m} (see `hybridllm plan`)")
     for note in p.get("notes", []):
         meas.add_row("note", note)
     console.print(meas)

@@ -27,7 +27,7 @@ def make_quantize_command(cli: ModuleType) -> Callable[..., None]:
 
         from hybridllm.loading.gguf import GGUFFile
         from hybridllm.loading.quantize import quantize_checkpoint
-        from hybridllm.report import format_bytes
+        from hybridllm.units import format_bytes
 
         out = quantize_checkpoint(src, dst, qtype)
         written = GGUFFile(out)

@@ -7,19 +7,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hybridllm.engine.metrics import ColdStart
-
-
-def format_bytes(n: int | float | None) -> str:
-    """1536 -> '1.5 KiB'."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+from hybridllm.timing import ColdStart
+from hybridllm.units import format_bytes
 
 
 def _seconds(x: float | None) -> str:

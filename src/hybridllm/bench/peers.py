@@ -30,7 +30,8 @@ import torch
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, synthetic_prompt_ids
 from hybridllm.bench.sweep import BenchConfig
 from hybridllm.config import parse_dtype
-from hybridllm.engine.metrics import HostPeakMemory, synchronize
+from hybridllm.engine.metrics import HostPeakMemory
+from hybridllm.timing import synchronize
 
 
 def _version(package: str) -> str:

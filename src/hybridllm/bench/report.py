@@ -16,7 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from hybridllm.report import format_bytes
+from hybridllm.units import format_bytes
 
 SCHEMA = "hybridllm.bench/1"
 # Columns of the CSV file, in order (``kv_bytes`` is split per tier; ``runs`` stays in the JSON).
@@ -112,10 +112,6 @@ def fmt_seconds(value: float | None) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def fmt_bytes(value: float | None) -> str:
-    return "-" if value is None else format_bytes(value)
-
-
 def fmt_context(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
 
@@ -153,10 +149,10 @@ def summary_records(rows: Sequence[dict[str, Any]]) -> tuple[list[list[str]], li
             fmt_rate(row.get("decode_tps"), row.get("decode_tps_spread")),
             fmt_seconds(row.get("tpot_p50_s")),
             fmt_seconds(row.get("tpot_p99_s")),
-            fmt_bytes(row.get("peak_device_bytes")),
-            fmt_bytes(row.get("peak_host_bytes")),
-            f"{fmt_bytes(kv.get('device'))} / {fmt_bytes(kv.get('host'))}",
-            fmt_bytes(row.get("bus_bytes")),
+            format_bytes(row.get("peak_device_bytes")),
+            format_bytes(row.get("peak_host_bytes")),
+            f"{format_bytes(kv.get('device'))} / {format_bytes(kv.get('host'))}",
+            format_bytes(row.get("bus_bytes")),
             _status(row, index),
         ])
     return records, notes
@@ -215,8 +211,8 @@ def paper_records(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             fmt_context(row["context"]),
             "yes" if row.get("decode_on") == "host" else "no",
             strategy,
-            fmt_bytes(row.get("peak_device_bytes")) if ok else "-",
-            fmt_bytes(row.get("peak_host_bytes")) if ok else "-",
+            format_bytes(row.get("peak_device_bytes")) if ok else "-",
+            format_bytes(row.get("peak_host_bytes")) if ok else "-",
             f"{row['decode_tps']:.1f}" if ok and row.get("decode_tps") is not None else row["status"].upper(),
         ])
     return records
@@ -294,7 +290,7 @@ def speed_table(records: Sequence[dict[str, Any]]) -> list[list[str]]:
         fmt_rate(r["decode_tps"]),
         times(r["decode_ratio"]),
         times(r["prefill_ratio"]),
-        fmt_bytes(r["bytes_per_token"]),
+        format_bytes(r["bytes_per_token"]),
         fmt_rate(r["limit_tps"]),
         "-" if r["limit_fraction"] is None else f"{100 * r['limit_fraction']:.0f} %",
     ] for r in records]

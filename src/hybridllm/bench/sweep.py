@@ -19,10 +19,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridllm.config import KV_STRATEGIES
 from hybridllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridllm.loading.checkpoint import Checkpoint
 
 ENGINES = ("hybridllm", "llama.cpp", "transformers")
 BASELINES = ("llama.cpp", "transformers")
@@ -97,6 +100,19 @@ class BenchConfig:
         data = json.loads(text)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+    def checkpoint(self) -> Checkpoint:
+        """The checkpoint measured: ``random_weights``' shape drawn in ``dtype`` from ``seed``, or ``model``.
+
+        Raises:
+            ModelLoadError: the model or config file is missing or unreadable.
+        """
+        from hybridllm.loading.random_checkpoint import RandomCheckpoint
+        from hybridllm.loading.registry import open_checkpoint
+
+        if self.random_weights:
+            return RandomCheckpoint(self.random_weights, self.dtype, self.seed)
+        return open_checkpoint(self.model)
 
     @property
     def model_label(self) -> str:
@@ -327,12 +343,7 @@ def skip_reason(config: BenchConfig, window: int | None, oom_context: int | None
 
 def model_window(config: BenchConfig) -> int | None:
     """The model's context window, read from its header; a missing or unreadable model raises."""
-    from hybridllm.bench.random_weights import read_config
-    from hybridllm.loading.registry import open_checkpoint
-
-    if config.random_weights:
-        return read_config(config.random_weights).max_position_embeddings
-    return open_checkpoint(config.model).config.max_position_embeddings
+    return config.checkpoint().config.max_position_embeddings
 
 
 def run_sweep(

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, summarize, synthetic_prompt_ids
 from hybridllm.bench.sweep import ROW_MARKER, BenchConfig, base_row
 from hybridllm.config import ModelConfig
+from hybridllm.units import format_bytes
 
 WARMUP_PROMPT_TOKENS = 16
 WARMUP_NEW_TOKENS = 2
@@ -55,12 +56,7 @@ class HybridRunner:
             options["weights"] = config.weights
         self.random = bool(config.random_weights)
         self.seed = config.seed
-        if config.random_weights:
-            from hybridllm.bench.random_weights import random_llm
-
-            self.llm = random_llm(config.random_weights, seed=config.seed, **options)
-        else:
-            self.llm = LLM(model=config.model, show_progress=False, **options)
+        self.llm = LLM(model=config.checkpoint(), show_progress=False, **options)
 
     def prompt(self, n_tokens: int) -> list[int]:
         if self.random:
@@ -103,12 +99,8 @@ def make_runner(config: BenchConfig) -> Runner:
 
 
 def model_config(config: BenchConfig) -> ModelConfig:
-    from hybridllm.bench.random_weights import read_config
-    from hybridllm.loading.registry import open_checkpoint
-
-    if config.random_weights:
-        return read_config(config.random_weights)
-    return open_checkpoint(config.model).config
+    """The configuration's model architecture (read from the checkpoint's header or config.json)."""
+    return config.checkpoint().config
 
 
 def predicted_host_bytes(config: BenchConfig, model: ModelConfig) -> int | None:
@@ -140,8 +132,8 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     if needed is not None:
         available = _available_host_bytes()
         if needed * MEMORY_MARGIN > available:
-            return {"status": "oom", "error": f"predicted (not run): needs at least {needed / 2**30:.1f} GiB of RAM "
-                                              f"for weights and KV, {available / 2**30:.1f} GiB available"}
+            return {"status": "oom", "error": f"predicted (not run): needs at least {format_bytes(needed)} of RAM "
+                                              f"for weights and KV, {format_bytes(available)} available"}
     start = time.perf_counter()
     runner = make_runner(config)
     load_s = time.perf_counter() - start

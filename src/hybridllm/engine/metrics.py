@@ -1,8 +1,7 @@
-"""What each phase costs: cold start, TTFT, TPOT, throughput, peak memory per tier.
+"""What each request costs: TTFT, TPOT, throughput, peak memory per tier.
 
-The CLI, the benchmark and the server all read these records. Times come from
-``time.perf_counter``; device work is synchronised before a timestamp is taken, so a time
-covers the work it names.
+The CLI, the benchmark and the server all read these records (the cold start is
+:class:`hybridllm.timing.ColdStart`). Times come from ``time.perf_counter``.
 """
 
 from __future__ import annotations
@@ -10,18 +9,12 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued work on ``device`` (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class HostPeakMemory:
@@ -66,28 +59,6 @@ class HostPeakMemory:
     def lifetime_peak() -> int:
         """Peak RSS over the whole process life (Linux reports KiB)."""
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-@dataclass
-class ColdStart:
-    """Model load split into its phases (seconds) and the bytes it produced."""
-
-    read_s: float = 0.0  # disk -> host RAM
-    dequantize_s: float = 0.0  # file format -> compute dtype
-    to_device_s: float = 0.0  # host RAM -> the weights' devices
-    tokenizer_s: float = 0.0
-    host_copy_s: float = 0.0  # --decode-on host: the host copy of the device weights
-    compile_s: float = 0.0  # speed transforms: fusion, native kernel build + weight copies, torch.compile warm-up
-    bytes_read: int = 0
-
-    @property
-    def total_s(self) -> float:
-        return self.read_s + self.dequantize_s + self.to_device_s + self.tokenizer_s + self.host_copy_s + self.compile_s
-
-    def to_dict(self) -> dict[str, float]:
-        out = asdict(self)
-        out["total_s"] = self.total_s
-        return out
 
 
 def percentile(values: list[float], q: float) -> float:

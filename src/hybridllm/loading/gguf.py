@@ -5,8 +5,9 @@ as such, and it is ~50x faster than gguf-py's generic reader on a 49k-token voca
 block dequantization uses gguf-py's reference implementation of llama.cpp's formats.
 
 llama.cpp's converter permutes the rows of the Q and K projections of ``llama``-architecture
-files (to the interleaved rotary layout its kernels use); :func:`unpermute_rows` undoes it so
-the model keeps the Hugging Face "rotate half" layout.
+files (to the interleaved rotary layout its kernels use);
+:func:`hybridllm.formats.gguf_qk_permutation.unpermute_rows` undoes it so the model keeps the
+Hugging Face "rotate half" layout.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from hybridllm.config import ModelConfig, RopeScaling
 from hybridllm.errors import ModelLoadError, UnsupportedModelError
+from hybridllm.formats.gguf_qk_permutation import unpermute_rows
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -309,18 +311,6 @@ class GGUFFile:
     def hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> Hugging Face parameter name, for every model parameter in the file."""
         return {n: hf for n in self.tensors if (hf := hf_tensor_name(n)) is not None}
-
-
-def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's Q/K permutation: per head, rows (2, D/2) -> (D/2, 2) (rotate-half -> interleaved)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Inverse of :func:`permute_rows`: interleaved rotary rows back to the rotate-half layout."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _ggml_type_label(type_id: int) -> str:

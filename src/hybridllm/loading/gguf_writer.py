@@ -16,7 +16,7 @@ import torch
 
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
-from hybridllm.loading.gguf import permute_rows
+from hybridllm.formats.gguf_qk_permutation import permute_rows
 from hybridllm.models.layers import rope_inverse_frequencies
 
 # Hugging Face parameter suffix -> GGUF tensor suffix (inverse of gguf.py's tables)

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from hybridllm.engine.metrics import ColdStart, synchronize
 from hybridllm.errors import ModelLoadError
 from hybridllm.models.layers import RotaryEmbedding
 from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.timing import ColdStart, synchronize
 
 PROGRESS_MIN_BYTES = 64 * 2**20
 

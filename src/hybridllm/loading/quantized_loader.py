@@ -27,9 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybridllm.engine.metrics import ColdStart, synchronize
-from hybridllm.loading.gguf import unpermute_rows
-from hybridllm.loading.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
+from hybridllm.formats.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
+from hybridllm.formats.gguf_qk_permutation import unpermute_rows
 from hybridllm.models.layers import RotaryEmbedding
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.models.quantized import (
@@ -44,6 +43,7 @@ from hybridllm.models.quantized import (
     quantize_int8,
     quantize_int8_groups,
 )
+from hybridllm.timing import ColdStart, synchronize
 
 logger = logging.getLogger(__name__)
 

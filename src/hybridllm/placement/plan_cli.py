@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
+from hybridllm.units import format_bytes, parse_bytes
+
 DEFAULT_PROMPT = "Explain in a few sentences how a CPU and a GPU can share the work of running a language model."
 
 
@@ -31,7 +33,6 @@ def plan(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="--apply: new tokens (greedy).")] = 64,
 ) -> None:
     """Choose where weights and KV live for a model on this machine (or given budgets), and predict TTFT and TPS."""
-    from hybridllm.config import parse_bytes
     from hybridllm.errors import ConfigError
     from hybridllm.placement import plan as planner
 
@@ -113,13 +114,9 @@ def _apply(result: Any, cfg: Any, model: Path | None, prompt: str, max_tokens: i
     table.add_row("TTFT", f"{predicted['ttft_s']:.3f} s", f"{m['ttft_s']:.3f} s")
     table.add_row("decode", f"{predicted['decode_tps']:.1f} tok/s",
                   "-" if m["decode_tps"] is None else f"{m['decode_tps']:.1f} tok/s")
-    table.add_row("peak device", _gib(predicted["peak_device_bytes"]), _gib(m["peak_device_bytes"]))
-    table.add_row("peak host", _gib(predicted["peak_host_bytes"]), _gib(m["peak_host_bytes"]))
+    for figure, key in (("peak device", "peak_device_bytes"), ("peak host", "peak_host_bytes")):
+        table.add_row(figure, format_bytes(predicted[key], 2), format_bytes(m[key], 2))
     _console().print(table)
-
-
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f} GiB"
 
 
 def _console():
@@ -137,28 +134,32 @@ def print_plan(result: Any, cfg: Any) -> None:
     """The plan as one table: model numbers, machine, placement, prediction, reason."""
     from rich.table import Table
 
-    from hybridllm.placement.plan import GB, fmt_bytes
+    from hybridllm.placement.plan import GB
 
     hw, src = result.hardware, result.sources
     pred = result.prediction
+
+    def decimal_bytes(n: float) -> str:  # GB next to the GB/s bandwidths, as in the planner's reason
+        return format_bytes(n, 2, decimal=True)
+
     table = Table(title=f"hybridllm plan: {result.model}, {result.context} tokens", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("figure")
     if hw.has_device:
-        machine = (f"GPU: {_gib(hw.device_budget)} budget ({src.get('vram')}), "
+        machine = (f"GPU: {format_bytes(hw.device_budget, 2)} budget ({src.get('vram')}), "
                    f"{_rate(hw.device_bandwidth / GB, src.get('device_bandwidth'), 'GB/s')}, "
                    f"PCIe {_rate(hw.pcie_bandwidth / GB, src.get('pcie_bandwidth'), 'GB/s')}, "
                    f"{_rate(hw.device_flops / 1e12, src.get('device_flops'), 'TFLOP/s')}; "
-                   f"host: {_gib(hw.host_budget)} RAM ({src.get('ram')}), "
+                   f"host: {format_bytes(hw.host_budget, 2)} RAM ({src.get('ram')}), "
                    f"{_rate(hw.host_bandwidth / GB, src.get('host_bandwidth'), 'GB/s')}")
     else:
         machine = (f"CPU only (no GPU; no --vram): the CPU stands in for the device and decode_on host is the same "
-                   f"device; {_gib(hw.host_budget)} RAM ({src.get('ram')}), "
+                   f"device; {format_bytes(hw.host_budget, 2)} RAM ({src.get('ram')}), "
                    f"{_rate(hw.host_bandwidth / GB, src.get('host_bandwidth'), 'GB/s')}, "
                    f"{_rate(hw.host_flops / 1e9, src.get('host_flops'), 'GFLOP/s')}, "
                    f"{hw.host_layer_overhead_s * 1e6:.0f} us/layer overhead ({src.get('host_layer_overhead')})")
     table.add_row("machine", machine)
-    table.add_row("weights", " | ".join(f"{k} {fmt_bytes(v)}" for k, v in result.weights_bytes.items()))
+    table.add_row("weights", " | ".join(f"{k} {decimal_bytes(v)}" for k, v in result.weights_bytes.items()))
     table.add_row("KV per token", " | ".join(f"{k} {v} B" for k, v in result.kv_bytes_per_token.items()))
     tier = "device" if hw.has_device else "CPU (device tier)"
     limit = result.device_only_max_context
@@ -175,10 +176,10 @@ def print_plan(result: Any, cfg: Any) -> None:
     split = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in pred.decode_s.items())
     table.add_row("predicted decode", f"{pred.decode_tps:.1f} tok/s at {result.context} cached tokens ({split})")
     if hw.has_device:
-        table.add_row("peak device", f"{fmt_bytes(pred.peak_device_bytes)} of {fmt_bytes(hw.device_budget)}")
+        table.add_row("peak device", f"{decimal_bytes(pred.peak_device_bytes)} of {decimal_bytes(hw.device_budget)}")
     else:
-        table.add_row("peak device tier", f"{fmt_bytes(pred.peak_device_bytes)} (weights + KV, in RAM)")
-    table.add_row("peak host", f"{fmt_bytes(pred.peak_host_bytes)} of {fmt_bytes(hw.host_budget)}")
+        table.add_row("peak device tier", f"{decimal_bytes(pred.peak_device_bytes)} (weights + KV, in RAM)")
+    table.add_row("peak host", f"{decimal_bytes(pred.peak_host_bytes)} of {decimal_bytes(hw.host_budget)}")
     table.add_row("fits", "yes" if result.fits else "NO")
     table.add_row("reason", result.reason)
     _console().print(table)

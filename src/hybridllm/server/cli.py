@@ -71,7 +71,8 @@ def run_server(*, model: Any, host: str, port: int, api_key: str | None, max_bat
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching.
 
     ``kv``: the ``LLM`` keyword arguments of the KV and placement flags."""
-    from hybridllm.config import EngineConfig, parse_bytes
+    from hybridllm.config import EngineConfig
+    from hybridllm.units import parse_bytes
 
     if not 0 < port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {port}")

@@ -1,0 +1,1 @@
+"""On-disk formats: how tensors are laid out in files, with no loading logic."""
