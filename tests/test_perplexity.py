@@ -44,7 +44,7 @@ def test_perplexity_equals_a_direct_computation(tiny_models):
 
     llm = LLM(tiny_models["llama"][1])
     ids = list(range(3, 60))
-    result = evaluate_perplexity(llm, llm, ids, context=20, chunk=7)
+    result = evaluate_perplexity(llm.runtime, llm.runtime, ids, context=20, chunk=7)
     nll, count = 0.0, 0
     with torch.inference_mode():
         for window in windows(ids, 20):
@@ -63,8 +63,8 @@ def test_int4_weights_against_the_float_reference(tiny_q4):
 
     test, ref = LLM(tiny_q4, weights="int4"), LLM(tiny_q4, weights="float")
     ids = list(range(3, 80))
-    result = evaluate_perplexity(test, ref, ids, context=32, chunk=16)
-    same = evaluate_perplexity(ref, ref, ids, context=32, chunk=32)
+    result = evaluate_perplexity(test.runtime, ref.runtime, ids, context=32, chunk=16)
+    same = evaluate_perplexity(ref.runtime, ref.runtime, ids, context=32, chunk=32)
     assert result.reference_perplexity == pytest.approx(same.perplexity, rel=1e-4)  # chunking does not matter
     assert 0 < result.kl_divergence < 0.05
     assert result.delta_percent == pytest.approx(100 * (result.perplexity / result.reference_perplexity - 1))

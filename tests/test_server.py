@@ -335,6 +335,22 @@ def test_metrics_names_follow_vllm(server):
     assert m["hybridllm:prompt_tokens_total"] > 0 and m["hybridllm:time_to_first_token_seconds_count"] > 0
 
 
+def test_tight_vram_budget_request_finishes_on_the_host_and_is_counted(default_llm):
+    # the device tier holds the weights and ~20 tokens of KV: the adaptive policy (on by default)
+    # moves the request's decoding to the host mid-prefill instead of refusing or failing it
+    budget = default_llm.weight_bytes["device"] + 1_000_000
+    prompt = CHAT_PROMPTS[0]
+    with serve_process("--weights", "float", "--vram-budget", str(budget)) as (base, _proc):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        out = chat(client, client.models.list().data[0].id, prompt, max_tokens=MAX_TOKENS)
+        m = metrics(base)
+    assert out.choices[0].message.content == reference(default_llm, prompt).text
+    assert m['hybridllm:adaptive_actions_total{action="move_to_host"}'] == 1
+    assert m['hybridllm:adaptive_actions_total{action="shrink_hot_window"}'] == 0
+    assert m['hybridllm:request_success_total{finished_reason="length"}'] + \
+        m['hybridllm:request_success_total{finished_reason="stop"}'] == 1
+
+
 # ---- in-process: the app factory, API key, full queue, KV budget ----------------------------------
 class InProcessServer:
     """uvicorn serving an app in a background thread of this process."""

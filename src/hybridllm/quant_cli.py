@@ -98,7 +98,7 @@ def make_eval_app(cli: ModuleType) -> typer.Typer:
             if not as_json and sys.stderr.isatty():
                 typer.echo(f"\rwindow {done}/{total}", err=True, nl=done == total)
 
-        result = evaluate_perplexity(llm, reference, ids, context=context, chunk=chunk, progress=progress)
+        result = evaluate_perplexity(llm.runtime, reference.runtime, ids, context=context, chunk=chunk, progress=progress)
         if as_json:
             typer.echo(json.dumps(result.to_dict()))
             return

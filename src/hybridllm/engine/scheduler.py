@@ -50,13 +50,14 @@ from hybridllm.engine.admission import (
     kv_bytes_needed,
     kv_capacity,
 )
-from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics, synchronize
+from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics
 from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.sampling import Sampler
 from hybridllm.engine.sequence import SeqEvent, SequenceState
 from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
+from hybridllm.timing import synchronize
 
 logger = logging.getLogger(__name__)
 

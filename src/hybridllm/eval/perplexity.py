@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -71,23 +71,18 @@ def windows(token_ids: Sequence[int], context: int) -> list[list[int]]:
     return [w for w in out if len(w) >= 2]
 
 
-class _Runner:
-    """Feeds one window, chunk by chunk, through an engine; yields the chunks' logits."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-        self.device = llm.engine_config.torch_device
-
-    def logits(self, window: list[int], chunk: int):
-        cache = self.llm.new_cache()
-        cache.reserve(len(window))
-        try:
-            for start in range(0, len(window), chunk):
-                ids = torch.tensor([window[start:start + chunk]], dtype=torch.long, device=self.device)  # (1, T)
-                out = self.llm.model(ids, cache, start_pos=cache.seq_length, all_logits=True)  # (1, T, V)
-                yield out[0].float().cpu()  # (T, V)
-        finally:
-            cache.reset()
+def window_logits(runtime, window: list[int], chunk: int) -> Iterator[torch.Tensor]:
+    """Feed one window, chunk by chunk, through a built runtime's runner on a fresh cache of its
+    KV policy; yield each chunk's logits (T, vocab) in float32 on the CPU."""
+    cache = runtime.new_cache()
+    cache.reserve(len(window))
+    try:
+        for start in range(0, len(window), chunk):
+            ids = torch.tensor([window[start:start + chunk]], dtype=torch.long)  # (1, T)
+            out = runtime.runner(ids, cache, start_pos=cache.seq_length, all_logits=True)  # (1, T, V)
+            yield out[0].float().cpu()  # (T, V)
+    finally:
+        cache.reset()
 
 
 def evaluate_perplexity(
@@ -98,7 +93,8 @@ def evaluate_perplexity(
     chunk: int = 64,
     progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
-    """Perplexity and KL of ``test`` vs ``reference`` (two ``LLM`` objects) over ``token_ids``.
+    """Perplexity and KL of ``test`` vs ``reference`` (two built runtimes,
+    :class:`~hybridllm.runtime.runtime.Runtime`: ``LLM(...).runtime``) over ``token_ids``.
 
     ``reference`` may be ``test`` itself (then its figures are reported twice and KL is 0).
     ``progress(done_windows, total_windows)`` is called after each window.
@@ -117,9 +113,9 @@ def evaluate_perplexity(
     with torch.inference_mode():
         for index, window in enumerate(parts):
             targets = torch.tensor(window[1:], dtype=torch.long)  # next token of each position
-            runs = [_Runner(test).logits(window, chunk)]
+            runs = [window_logits(test, window, chunk)]
             if not same:
-                runs.append(_Runner(reference).logits(window, chunk))
+                runs.append(window_logits(reference, window, chunk))
             pos = 0
             for chunk_logits in zip(*runs):
                 n = min(chunk_logits[0].shape[0], len(targets) - pos)  # the window's last token has no target

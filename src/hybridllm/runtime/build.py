@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hybridllm.config import EngineConfig, KVConfig
-from hybridllm.engine.metrics import ColdStart
+from hybridllm.timing import ColdStart
 from hybridllm.errors import ConfigError
 from hybridllm.loading.loader import load_model
 from hybridllm.models.quantized import check_weights_mode, weights_format

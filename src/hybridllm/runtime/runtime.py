@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm.config import EngineConfig, KVConfig, ModelConfig
-from hybridllm.engine.metrics import ColdStart
+from hybridllm.timing import ColdStart
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
