@@ -139,6 +139,23 @@ def test_cli_bench_writes_every_output(tiny_gguf, tmp_path):
     assert_png(out["png"])
 
 
+def test_cli_bench_passes_the_shared_kv_and_speed_flags(tiny_gguf, tmp_path):
+    from hybridllm.cli import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--model", tiny_gguf, "--context", "16", "--new-tokens", "2", "--repeat", "1", "--threads", "1",
+        "--no-warmup", "--kv-cache", "tiered", "--kv-hot-window", "8", "--kv-opt", "sink_tokens=2", "--no-fuse",
+        "--no-native-decode", "--json", str(out), "--timeout", "300",
+    ])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["llm_options"] == {"fuse": False, "native_decode": False}
+    [row] = data["rows"]
+    assert row["status"] == "ok", row["error"]
+    assert row["kv_options"] == {"kv_hot_window": 8, "kv_sink_tokens": 2}
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--kv-cache", "bogus"], "unknown KV cache 'bogus'"),
     (["--baseline", "vllm"], "unknown baseline 'vllm'"),

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Annotated
 
 import numpy as np
 import pytest
+import typer
+
+from hybridllm.cli.options import KVOptions
 
 from test_default_model import METRIC_KEYS
 
@@ -112,3 +116,91 @@ def test_prompt_from_stdin(tiny_models):
                    "--no-chat", stdin="the quick")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["metrics"]["prompt_tokens"] > 0
+
+
+# ---- shared options: declared once, taken by every command that loads a model ------------------
+def _shared_option_names() -> set[str]:
+    import dataclasses
+    import typing
+
+    from hybridllm.cli.options import OPTION_GROUPS
+
+    names = set()
+    for group in OPTION_GROUPS:
+        hints = typing.get_type_hints(group, include_extras=True)
+        for field in dataclasses.fields(group):
+            info = hints[field.name].__metadata__[0]  # the typer.Option of the Annotated alias
+            names.update(part for decl in (info.default, *info.param_decls) for part in decl.split("/"))
+    return names
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
+def test_every_inference_command_takes_every_shared_option(command):
+    import typer.main
+
+    from hybridllm.cli import app
+
+    names = _shared_option_names()
+    assert {"--kv-adaptive", "--no-kv-adaptive", "-ngl", "--placement", "--decode-backend", "--native-decode",
+            "--kv-threshold", "--prefill-chunk"} <= names
+    click_command = typer.main.get_command(app).commands[command]
+    taken = {opt for param in click_command.params for opt in (*param.opts, *param.secondary_opts)}
+    assert names - taken == set()
+
+
+def test_option_group_defaults_equal_the_engine_defaults():
+    import dataclasses
+    import inspect
+
+    from hybridllm.cli.options import KVOptions, ModelOptions, SpeedOptions
+    from hybridllm.config import KVConfig
+    from hybridllm.llm import LLM
+
+    kv_defaults = vars(KVConfig())
+    assert {k: kv_defaults[k] for k in dataclasses.asdict(KVOptions())} == dataclasses.asdict(KVOptions())
+    llm = inspect.signature(LLM.__init__).parameters
+    for name, value in {**dataclasses.asdict(SpeedOptions()), **dataclasses.asdict(ModelOptions())}.items():
+        if name in llm:
+            assert llm[name].default == value, name
+
+
+def test_llm_kwargs_passes_only_changed_kv_flags_with_a_placement_file(tmp_path):
+    from hybridllm.cli.options import KVOptions, ModelOptions, PlacementOptions, SpeedOptions, llm_kwargs
+
+    plain = llm_kwargs(ModelOptions(), PlacementOptions(), KVOptions(kv_hot_window=64), SpeedOptions())
+    assert plain["kv_hot_window"] == 64 and plain["kv_cache"] == "dynamic" and "decode_backend" not in plain
+    placed = llm_kwargs(ModelOptions(), PlacementOptions(file=tmp_path / "p.json"), KVOptions(kv_hot_window=64),
+                        SpeedOptions(decode_backend="eager"))
+    assert placed["kv_hot_window"] == 64 and "kv_cache" not in placed and placed["decode_backend"] == "eager"
+
+
+def test_serve_help_lists_kv_adaptive():
+    from typer.testing import CliRunner
+
+    from hybridllm.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "--kv-adaptive" in result.output and "--no-kv-adaptive" in result.output
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_bad_kv_flag_is_one_line_on_every_command(command):
+    assert_one_line_error(run_cli(command, "--kv-cold-bits", "5"), "kv_cold_bits")
+
+
+def _declares_kv_bits_twice(kv: KVOptions = KVOptions(),
+                             kv_bits: Annotated[int, typer.Option("--kv-bits")] = 8) -> None:
+    """A command with the KV group and its own --kv-bits (annotations resolve in this module)."""
+
+
+def test_option_groups_refuse_a_flag_declared_twice():
+    from hybridllm.cli.options import with_option_groups
+
+    twice = _declares_kv_bits_twice
+    with pytest.raises(TypeError, match="declared twice"):
+        with_option_groups(twice)
+    with pytest.raises(TypeError, match="own"):
+        with_option_groups(twice, own=("kv_bits", "kv_hot_window"))  # kv_hot_window: not declared by it
+    expanded = with_option_groups(twice, own=("kv_bits",))
+    assert "kv_hot_window" in expanded.__signature__.parameters

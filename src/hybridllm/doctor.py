@@ -1,4 +1,4 @@
-"""``hybridllm doctor``: measure the machine and check the OS settings that hurt hybrid inference.
+"""Measure the machine and check the OS settings that hurt hybrid inference (``hybridllm doctor``).
 
 Each check reads one /proc or /sys file (or a resource limit) and returns a :class:`Check` with
 status "ok", "warn" or "unknown" and a one-line recommendation. A missing or unreadable file
@@ -8,15 +8,13 @@ a ``root`` directory (default "/"), so tests run the checks against a fake tree.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import resource
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 
 from hybridllm.units import format_bytes
 
@@ -331,20 +329,3 @@ def print_report(report: dict[str, Any]) -> None:
         checks.add_row(c["name"], f"[{colour[c['status']]}]{c['status']}[/]", c["value"] or "-", c["recommendation"])
     console.print(checks)
 
-
-def doctor(
-    model: Annotated[Path | None, typer.Option("--model", "-m", help="Model whose file read speed (and size) to check (default: the embedded model).")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", "-t", help="CPU threads for the measurements.")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="Smaller, faster measurements.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-) -> None:
-    """Measure this machine (bandwidths, FLOP rate, disk) and check the OS settings that hurt hybrid inference."""
-    from hybridllm.errors import ConfigError
-
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {threads}")
-    report = diagnose(model, threads, quick)
-    if as_json:
-        typer.echo(json.dumps(report))
-    else:
-        print_report(report)

@@ -62,6 +62,8 @@ class BenchConfig:
         seed: seed of the random weights.
         prefill_chunk: prompt tokens per forward of our engine (llama.cpp's ``n_batch``).
         weights: our engine's weight mode ("float", "auto", "int8", "int4"; None: its default).
+        llm_options: more ``LLM`` keyword arguments for our engine (a ``placement`` file, the speed
+            options ``fuse``, ``native_decode``, ``compile``, ``decode_backend``).
     """
 
     engine: str = "hybridllm"
@@ -81,6 +83,7 @@ class BenchConfig:
     seed: int = 0
     prefill_chunk: int = 512
     weights: str | None = None
+    llm_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -129,7 +132,8 @@ class BenchConfig:
     def series(self) -> tuple:
         """What stays the same along the context axis (one line of a plot)."""
         return (self.engine, self.model, self.random_weights, self.kv_cache, self.decode_on, self.n_gpu_layers,
-                self.new_tokens, json.dumps(self.kv_options, sort_keys=True))
+                self.new_tokens, json.dumps(self.kv_options, sort_keys=True),
+                json.dumps(self.llm_options, sort_keys=True))
 
     def label(self) -> str:
         parts = [self.engine, self.kv_cache]

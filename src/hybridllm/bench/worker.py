@@ -45,7 +45,7 @@ class HybridRunner:
     def __init__(self, config: BenchConfig) -> None:
         from hybridllm.llm import LLM
 
-        options: dict[str, Any] = dict(config.kv_options)
+        options: dict[str, Any] = {**config.llm_options, **config.kv_options}
         options.update(device=config.device, dtype=config.dtype, threads=config.threads,
                        prefill_chunk=config.prefill_chunk, kv_cache=config.kv_cache)
         if config.decode_on not in (None, "device"):  # decoding on the device is the engine's default

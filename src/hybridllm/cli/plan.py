@@ -1,4 +1,4 @@
-"""``hybridllm plan``: the planner on the command line (the arithmetic lives in ``plan.py``)."""
+"""``hybridllm plan``: the planner on the command line (the arithmetic lives in ``hybridllm.placement.plan``)."""
 
 from __future__ import annotations
 
@@ -86,15 +86,10 @@ def plan(
 def _apply(result: Any, cfg: Any, model: Path | None, prompt: str, max_tokens: int, threads: int | None,
            prefill_chunk: int, gpu_here: bool, as_json: bool) -> None:
     """Run ``generate`` with the plan's placement; print predicted next to measured figures."""
-    import inspect
-
     from hybridllm.config import SamplingParams
-    from hybridllm.errors import ConfigError
     from hybridllm.llm import LLM
     from hybridllm.placement.plan import predicted_for_run
 
-    if "placement" not in inspect.signature(LLM.__init__).parameters:
-        raise ConfigError("--apply needs LLM(placement=...), which this engine does not have yet")
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm = LLM(model=model, placement=result.placement, threads=threads, dtype=result.compute_dtype,
               device="cuda" if gpu_here else "cpu", prefill_chunk=prefill_chunk)

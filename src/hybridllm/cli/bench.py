@@ -1,8 +1,8 @@
 """``hybridllm bench``: sweep configurations, each in its own process, and report them.
 
-Registered in ``hybridllm.cli`` (wrapped by ``cli_errors``: bad input prints one line and
-exits with code 2). Heavy modules are imported inside the command, so importing this file is
-cheap.
+``--kv-cache``, ``--decode-on`` and ``--n-gpu-layers`` take comma-separated lists (one sweep
+axis each); every other shared flag takes one value for all of our engine's configurations.
+Heavy modules are imported inside the command, so importing this file is cheap.
 """
 
 from __future__ import annotations
@@ -14,10 +14,22 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from hybridllm.cli.options import (
+    KV_PANEL,
+    PLACEMENT_PANEL,
+    KVOptions,
+    ModelOptions,
+    PlacementOptions,
+    SpeedOptions,
+    changed,
+    resolve_device,
+    with_option_groups,
+)
 from hybridllm.errors import ConfigError
 
 
-def _parse_kv_options(pairs: list[str] | None, vram_budget: str | None) -> dict[str, Any]:
+def _parse_kv_options(pairs: list[str] | None) -> dict[str, Any]:
+    """``--kv-opt KEY=VALUE`` pairs as ``KVConfig`` fields (``hot_window`` means ``kv_hot_window``)."""
     from hybridllm.config import KVConfig
 
     options: dict[str, Any] = {}
@@ -32,8 +44,6 @@ def _parse_kv_options(pairs: list[str] | None, vram_budget: str | None) -> dict[
         if key not in allowed:
             raise ConfigError(f"unknown KV option {key!r}; known: {', '.join(sorted(allowed))}")
         options[key] = _scalar(value.strip())
-    if vram_budget is not None:
-        options["vram_budget"] = vram_budget
     return options
 
 
@@ -46,14 +56,15 @@ def _scalar(text: str) -> Any:
     return None if text.lower() in ("none", "null") else text
 
 
+@with_option_groups(own=("kv_cache", "decode_on", "n_gpu_layers"))
 def bench(
-    model: Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    model: ModelOptions = ModelOptions(device="auto"),
     random_weights: Annotated[Optional[Path], typer.Option("--random-weights", help="A Hugging Face config.json (e.g. configs/llama-3.2-1b.json): that shape with random weights, nothing downloaded.")] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help="Prompt lengths in tokens, comma-separated: 1024,4096 or 1K,4K.")] = None,
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", "-n", help="Tokens generated after the prompt (greedy, EOS ignored).")] = None,
-    kv_cache: Annotated[Optional[str], typer.Option("--kv-cache", help="Our KV strategies, comma-separated: dynamic,offloaded,quantized,tiered,host.")] = None,
-    decode_on: Annotated[Optional[str], typer.Option("--decode-on", help="Where decode runs, comma-separated: device,host.")] = None,
-    n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", help="Layers on the device, comma-separated (also passed to llama.cpp).")] = None,
+    kv_cache: Annotated[Optional[str], typer.Option("--kv-cache", help="Our KV strategies, comma-separated: dynamic,offloaded,quantized,tiered,host.", rich_help_panel=KV_PANEL)] = None,
+    decode_on: Annotated[Optional[str], typer.Option("--decode-on", help="Where decode runs, comma-separated: device,host.", rich_help_panel=PLACEMENT_PANEL)] = None,
+    n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device, comma-separated (also passed to llama.cpp).", rich_help_panel=PLACEMENT_PANEL)] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Peers measured the same way, comma-separated: llama.cpp,transformers (or none).")] = None,
     repeat: Annotated[Optional[int], typer.Option("--repeat", "-r", help="Measured runs per configuration (median and spread reported).")] = None,
     preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers) or speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit).")] = None,
@@ -61,20 +72,15 @@ def bench(
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Write the plots as one PNG.")] = None,
     markdown_out: Annotated[Optional[Path], typer.Option("--markdown", help="Write the table(s) as Markdown.")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads for every engine (default: PyTorch's default).")] = None,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:N] (our engine and transformers).")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.")] = "float32",
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds allowed per configuration.")] = 1800.0,
-    vram_budget: Annotated[Optional[str], typer.Option("--vram-budget", help="Device memory budget for our engine, e.g. 8GiB.")] = None,
-    kv_opt: Annotated[Optional[list[str]], typer.Option("--kv-opt", help="More KV options for our engine, KEY=VALUE (repeatable), e.g. kv_hot_window=1024.")] = None,
+    kv_opt: Annotated[Optional[list[str]], typer.Option("--kv-opt", help="More KV options for our engine, KEY=VALUE (repeatable), e.g. kv_hot_window=1024; the --kv-* flags override them.")] = None,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="A short request before the measured ones.")] = True,
     seed: Annotated[int, typer.Option("--seed", help="Seed of --random-weights.")] = 0,
-    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per forward (llama.cpp's n_batch).")] = 512,
-    weights: Annotated[Optional[str], typer.Option("--weights", help="Our engine's weights: float, auto, int8 or int4 (default: its own).")] = None,
+    placement: PlacementOptions = PlacementOptions(),
+    kv: KVOptions = KVOptions(),
+    speed: SpeedOptions = SpeedOptions(),
 ) -> None:
     """Measure prefill and decode over a grid of contexts, KV strategies and placements, and peers."""
-    import torch
-
     from hybridllm.bench import presets, report
     from hybridllm.bench.sweep import (
         BASELINES,
@@ -89,7 +95,7 @@ def bench(
     )
     from hybridllm.config import KV_STRATEGIES, EngineConfig, KVConfig
 
-    if model is not None and random_weights is not None:
+    if model.path is not None and random_weights is not None:
         raise ConfigError("give either --model or --random-weights, not both")
     baselines = None
     if baseline is not None:
@@ -112,10 +118,19 @@ def bench(
         raise ConfigError("--new-tokens and --repeat must be >= 1")
     if timeout <= 0:
         raise ConfigError("--timeout must be > 0")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    EngineConfig(device=device, dtype=dtype, threads=threads, prefill_chunk=prefill_chunk)
-    kv_options = _parse_kv_options(kv_opt, vram_budget)
+    device = resolve_device(model.device)
+    threads = model.threads
+    EngineConfig(device=device, dtype=model.dtype, threads=threads, prefill_chunk=model.prefill_chunk)
+    kv_options = {**_parse_kv_options(kv_opt), **changed(kv)}  # kv_cache is a sweep axis, never in changed(kv)
+    llm_options = changed(speed)
+    if placement.file is not None:
+        from hybridllm.placement.placement import Placement
+
+        Placement.load(placement.file)  # a missing or malformed file fails here, before the sweep
+        if any(layers is not None for layers in settings["n_gpu_layers"]):
+            raise ConfigError("give a placement file or --n-gpu-layers, not both")
+        llm_options["placement"] = str(placement.file)
+    weights = placement.weights
     if weights is None:
         weights = settings.get("weights")  # a preset's choice (--preset speed: auto)
     if weights is not None:
@@ -132,10 +147,10 @@ def bench(
 
         threads = default_threads()  # the same number for every engine
 
-    common = dict(model=str(model) if model else None, random_weights=str(random_weights) if random_weights else None,
+    common = dict(model=str(model.path) if model.path else None, random_weights=str(random_weights) if random_weights else None,
                   new_tokens=settings["new_tokens"], repeat=settings["repeat"], threads=threads, device=device,
-                  dtype=dtype, warmup=warmup, kv_options=kv_options, seed=seed, prefill_chunk=prefill_chunk,
-                  weights=weights)
+                  dtype=model.dtype, warmup=warmup, kv_options=kv_options, seed=seed,
+                  prefill_chunk=model.prefill_chunk, weights=weights, llm_options=llm_options)
     model_window(BenchConfig(**common))  # a missing or unreadable model fails here, before the sweep
     grid = build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"], settings["n_gpu_layers"],
                       settings["baselines"], **common)
@@ -151,7 +166,8 @@ def bench(
         bandwidth_gbs = measure_host_bandwidth(threads=threads)["read"]  # after the sweep: nothing else runs
         report.print_speed(rows, bandwidth_gbs)
     recorded = {**settings, "preset": preset, "timeout_s": timeout, "threads": threads, "device": device,
-                "dtype": dtype, "kv_options": kv_options, "weights": weights, "host_read_gbs": bandwidth_gbs, "command": shlex.join(["hybridllm", *sys.argv[1:]])}
+                "dtype": model.dtype, "kv_options": kv_options, "llm_options": llm_options, "weights": weights,
+                "host_read_gbs": bandwidth_gbs, "command": shlex.join(["hybridllm", *sys.argv[1:]])}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
     if csv_out is not None:

@@ -1,0 +1,66 @@
+"""The ``hybridllm`` command: the typer app and its commands, one module each.
+
+Errors caused by the user's input print one line (``error: ...``) and exit with code 2. The
+options that several commands share are declared once, in :mod:`hybridllm.cli.options`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from hybridllm.cli.bench import bench
+from hybridllm.cli.doctor import doctor
+from hybridllm.cli.eval import perplexity
+from hybridllm.cli.generate import chat, generate
+from hybridllm.cli.plan import plan
+from hybridllm.cli.quantize import quantize
+from hybridllm.cli.serve import serve
+from hybridllm.errors import HybridLLMError
+
+EXIT_USAGE = 2
+
+
+def fail(message: str) -> None:
+    """Print a one-line error and exit with code 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(EXIT_USAGE)
+
+
+def cli_errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn user-facing errors into one line and exit code 2 (no traceback)."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except HybridLLMError as exc:
+            fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+app = typer.Typer(
+    name="hybridllm",
+    help="Local LLM inference that splits work between host (CPU/RAM) and device (GPU/VRAM), and measures it.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Quality evaluations against the float reference of the same model.", no_args_is_help=True)
+
+for command in (generate, chat, serve, bench, plan, doctor, quantize):
+    app.command(name=command.__name__)(cli_errors(command))
+eval_app.command(name="perplexity")(cli_errors(perplexity))
+app.add_typer(eval_app, name="eval")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,5 @@
+"""``python -m hybridllm.cli``."""
+
+from hybridllm.cli import main
+
+main()

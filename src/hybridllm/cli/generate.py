@@ -1,0 +1,119 @@
+"""``hybridllm generate`` and ``hybridllm chat``: one completion, or an interactive chat."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from hybridllm.cli.options import KVOptions, ModelOptions, PlacementOptions, SpeedOptions, load_llm, with_option_groups
+from hybridllm.errors import ConfigError
+
+
+@with_option_groups
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt (read from stdin when omitted).")] = None,
+    model: ModelOptions = ModelOptions(),
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 means greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 disables.")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p", help="0 disables.")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="1 disables.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Format with the model's chat template (default: when it has one).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with text, ids and metrics.")] = False,
+    placement: PlacementOptions = PlacementOptions(),
+    kv: KVOptions = KVOptions(),
+    speed: SpeedOptions = SpeedOptions(),
+) -> None:
+    """Generate a completion and report what each phase cost."""
+    from hybridllm.config import SamplingParams
+
+    if prompt is None:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise ConfigError("give a prompt as an argument or on standard input")
+        prompt = sys.stdin.read()
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, seed=seed, stop=list(stop or []), ignore_eos=ignore_eos,
+    )
+    llm = load_llm(model, placement, kv, speed)
+    use_chat = llm.tokenizer.has_chat_template if chat is None else chat
+    request = [{"role": "user", "content": prompt}] if use_chat else prompt
+    result = None
+    for event in llm.stream_events(request, params):
+        if event.result is not None:
+            result = event.result
+        elif not as_json:
+            typer.echo(event.text, nl=False)
+    if as_json:
+        typer.echo(json.dumps({
+            "text": result.text,
+            "token_ids": result.token_ids,
+            "prompt_token_ids": result.prompt_token_ids,
+            "finish_reason": result.finish_reason,
+            "metrics": result.metrics,
+        }))
+    else:
+        typer.echo("")
+        sys.stdout.flush()
+        from hybridllm.report import print_metrics
+
+        print_metrics(result.metrics, llm.cold_start)
+
+
+@with_option_groups
+def chat(
+    model: ModelOptions = ModelOptions(),
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 512,
+    temperature: Annotated[float, typer.Option("--temperature")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
+    placement: PlacementOptions = PlacementOptions(),
+    kv: KVOptions = KVOptions(),
+    speed: SpeedOptions = SpeedOptions(),
+) -> None:
+    """Interactive chat that streams tokens. /reset clears the history, /exit (or Ctrl-D) quits."""
+    from hybridllm.config import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    llm = load_llm(model, placement, kv, speed)
+    if not llm.tokenizer.has_chat_template:
+        raise ConfigError("this model has no chat template; use `hybridllm generate --no-chat` instead")
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    typer.echo(f"{llm.config.name or 'model'} ready. /reset clears the history, /exit quits.", err=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            typer.echo("", err=True)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        result = None
+        for event in llm.stream_events(history, params):
+            if event.result is not None:
+                result = event.result
+            else:
+                reply.append(event.text)
+                typer.echo(event.text, nl=False)
+        typer.echo("")
+        m = result.metrics
+        typer.echo(
+            f"[{m['generated_tokens']} tokens, TTFT {m['ttft_s']:.3f} s, "
+            f"{(m['decode_tps'] or 0):.1f} tok/s]", err=True,
+        )
+        history.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,68 @@
+"""``hybridllm serve``: the OpenAI-compatible server.
+
+FastAPI and uvicorn are imported inside the command, so the CLI stays quick to start.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+import typer
+
+from hybridllm.cli.options import KVOptions, ModelOptions, PlacementOptions, SpeedOptions, llm_kwargs, with_option_groups
+from hybridllm.errors import ConfigError
+
+
+@with_option_groups
+def serve(
+    model: ModelOptions = ModelOptions(),
+    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless told otherwise).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", help="TCP port.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="HYBRIDLLM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests running at once (1 disables batching).")] = 16,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting; more get 503 with Retry-After.")] = 256,
+    host_budget: Annotated[Optional[str], typer.Option("--host-budget", help="Host RAM the KV cache may use, e.g. 4GiB (default: the RAM available at start).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API (default: the checkpoint's name).")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
+    placement: PlacementOptions = PlacementOptions(),
+    kv: KVOptions = KVOptions(),
+    speed: SpeedOptions = SpeedOptions(),
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
+    from hybridllm.config import parse_bytes
+
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    if max_batch < 1:
+        raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
+    if max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
+    host_bytes = parse_bytes(host_budget)
+    run_server(llm_kwargs(model, placement, kv, speed), host=host, port=port, api_key=api_key, max_batch=max_batch,
+               max_queue=max_queue, host_budget=host_bytes, served_model_name=served_model_name, log_level=log_level)
+
+
+def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: str | None, max_batch: int,
+               max_queue: int, host_budget: int | None, served_model_name: str | None, log_level: str) -> None:
+    """Load the model and serve it until interrupted.
+
+    Args:
+        llm_options: ``LLM`` keyword arguments (:func:`hybridllm.cli.options.llm_kwargs`).
+        host_budget: host RAM the KV cache may use, in bytes (None: the RAM available at start).
+    """
+    import psutil
+    import uvicorn
+
+    from hybridllm.engine.scheduler import Scheduler
+    from hybridllm.llm import LLM
+    from hybridllm.server.app import create_app
+
+    llm = LLM(**llm_options)
+    if host_budget is None:  # the KV may use the host RAM that is free now
+        host_budget = psutil.virtual_memory().available
+    scheduler = Scheduler(llm.runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget)
+    app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key)
+    typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
+               f"KV {scheduler.kv_strategy}, {llm.placement.n_gpu_layers}/{llm.config.n_layers} layers on the "
+               f"device, decode on the {llm.placement.decode_on})", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
