@@ -168,7 +168,7 @@ def test_llm_kwargs_passes_only_changed_kv_flags_with_a_placement_file(tmp_path)
     from hybridllm.cli.options import KVOptions, ModelOptions, PlacementOptions, SpeedOptions, llm_kwargs
 
     plain = llm_kwargs(ModelOptions(), PlacementOptions(), KVOptions(kv_hot_window=64), SpeedOptions())
-    assert plain["kv_hot_window"] == 64 and plain["kv_cache"] == "dynamic" and "decode_backend" not in plain
+    assert plain["kv_hot_window"] == 64 and plain["kv_cache"] == "dynamic" and plain["decode_backend"] == "auto"
     placed = llm_kwargs(ModelOptions(), PlacementOptions(file=tmp_path / "p.json"), KVOptions(kv_hot_window=64),
                         SpeedOptions(decode_backend="eager"))
     assert placed["kv_hot_window"] == 64 and "kv_cache" not in placed and placed["decode_backend"] == "eager"

@@ -184,8 +184,7 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
     """``LLM`` keyword arguments of the four groups, checked before the slow load.
 
     With a placement file, only the KV flags that differ from their defaults are passed, so they
-    override the file's KV policy instead of resetting it. ``decode_backend`` is passed only when
-    it is not ``auto`` (the engine's own choice).
+    override the file's KV policy instead of resetting it.
 
     Raises:
         ConfigError: a bad value (unknown KV strategy, dtype, device, weights mode ...).
@@ -206,9 +205,8 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
         "prefill_chunk": model.prefill_chunk, "weights": placement.weights, "n_gpu_layers": placement.n_gpu_layers,
         "decode_on": placement.decode_on, "placement": placement.file, **kv_options,
         "fuse": speed.fuse, "native_decode": speed.native_decode, "compile": speed.compile,
+        "decode_backend": speed.decode_backend,
     }
-    if speed.decode_backend != "auto":
-        options["decode_backend"] = speed.decode_backend
     return options
 
 
