@@ -64,6 +64,7 @@ def assert_png(path: Path) -> None:
 
 
 # ---- the acceptance test -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_config_sweep_with_a_forced_failure(tiny_gguf, tmp_path):
     common = dict(model=tiny_gguf, context=24, new_tokens=4, repeat=2, threads=1)
     configs = [BenchConfig(**common), BenchConfig(**common, kv_options={"vram_budget": "1KiB"})]
@@ -107,12 +108,14 @@ def test_two_config_sweep_with_a_forced_failure(tiny_gguf, tmp_path):
     assert_png(tmp_path / "out.png")
 
 
+@pytest.mark.slow
 def test_timeout_becomes_a_row(tiny_gguf):
     rows = run_sweep([BenchConfig(model=tiny_gguf, context=8, new_tokens=2)], timeout_s=0.3, progress=False)
     assert rows[0]["status"] == "timeout"
     assert "0.3" in rows[0]["error"]
 
 
+@pytest.mark.slow
 def test_sweep_skips_contexts_beyond_the_window_without_running(tiny_gguf):
     rows = run_sweep([BenchConfig(model=tiny_gguf, context=500, new_tokens=100)], progress=False)
     assert rows[0]["status"] == "skipped"
@@ -121,6 +124,7 @@ def test_sweep_skips_contexts_beyond_the_window_without_running(tiny_gguf):
 
 
 # ---- the CLI ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_bench_writes_every_output(tiny_gguf, tmp_path):
     from hybridllm.cli import app
 
@@ -261,6 +265,7 @@ def test_shipped_configs_have_the_published_shapes():
     assert round(read_config(REPO / "configs" / "mistral-7b.json").parameter_count() / 1e9, 2) == 7.24
 
 
+@pytest.mark.slow
 def test_random_weights_model_generates_and_matches_transformers(tiny_config_json):
     from hybridllm.bench.random_weights import random_hf_model, random_llm
     from hybridllm.config import SamplingParams
@@ -285,6 +290,7 @@ def test_memory_precheck_turns_a_huge_model_into_an_oom_row():
 
 
 # ---- peers, measured in this process -------------------------------------------------------------
+@pytest.mark.slow
 def test_transformers_peer_same_method(tiny_gguf):
     row = measure_row(BenchConfig(engine="transformers", model=tiny_gguf, context=12, new_tokens=3))
     assert row["status"] == "ok", row["error"]
@@ -297,6 +303,7 @@ def test_transformers_peer_same_method(tiny_gguf):
         assert offloaded["status"] == "skipped" and "CUDA" in offloaded["error"]
 
 
+@pytest.mark.slow
 def test_llama_cpp_peer_same_method(tiny_gguf, tiny_config_json):
     skipped = measure_row(BenchConfig(engine="llama.cpp", random_weights=tiny_config_json, context=8, new_tokens=2))
     assert skipped["status"] == "skipped" and "GGUF" in skipped["error"]

@@ -248,11 +248,11 @@ def test_auto_falls_back_to_float_for_types_without_kernel(tiny_quantized, caplo
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_hf_folder_requantized(tiny_models, mode):
+def test_hf_folder_requantized(tiny_models, mode, shared_llm):
     from hybridllm import LLM
 
     folder = tiny_models["qwen2"][0]  # q/k/v biases
-    quant, ref = LLM(folder, weights=mode, fuse=False), LLM(folder, fuse=False)
+    quant, ref = LLM(folder, weights=mode, fuse=False), shared_llm(model=folder, fuse=False)
     assert quant.weights_format == mode
     assert quant.model.model.layers[0].self_attn.q_proj.bias is not None
     ids = list(range(5, 30))
@@ -325,10 +325,8 @@ REFERENCE_PROMPTS = ["What is the capital of France?", "Write a haiku about the 
 
 
 @pytest.fixture(scope="module")
-def default_int4():
-    from hybridllm import LLM
-
-    return LLM(weights="int4")
+def default_int4(shared_llm):
+    return shared_llm(weights="int4")
 
 
 def test_default_model_int4_greedy_equals_float(default_llm, default_int4):
