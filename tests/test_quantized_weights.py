@@ -329,6 +329,7 @@ def default_int4(shared_llm):
     return shared_llm(weights="int4")
 
 
+@pytest.mark.slow
 def test_default_model_int4_greedy_equals_float(default_llm, default_int4):
     """The float path's greedy choice, teacher-forced on the int4 output, is the int4 output itself
     (one float forward per prompt instead of a float decode loop: the same check, cheaper)."""
@@ -349,6 +350,7 @@ def test_default_model_int4_greedy_equals_float(default_llm, default_int4):
     assert same >= 2, f"int4 greedy output equals float on {same} of 3 prompts"
 
 
+@pytest.mark.slow
 def test_default_model_int4_weight_bytes_near_file_bytes(default_int4):
     file_bytes = sum(info.nbytes for info in default_int4.checkpoint.tensors.values())
     ledger = sum(default_int4.weight_bytes.values())
@@ -358,6 +360,7 @@ def test_default_model_int4_weight_bytes_near_file_bytes(default_int4):
     assert abs(default_int4.decode_weight_bytes / file_bytes - 1) <= 0.15  # what one decode step reads
 
 
+@pytest.mark.slow
 def test_default_model_int4_resident_memory_near_file_bytes():
     """RSS growth of loading the model (after the runtime has warmed up) is the weights' bytes."""
     script = textwrap.dedent("""
