@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make run` and `make test`.
+# Two commands on a fresh machine: `make run` and `make test` (`make test-fast`: the unit tier).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test setup bench bench-peers clean
+.PHONY: run test test-fast setup bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -23,15 +23,21 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/hybridllm generate "$(PROMPT)" --temperature 0 --max-tokens 64
 
+# Everything (CI); the full suite takes up to 15 minutes on 2 cores.
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The fast unit tier: every test not marked `slow` (under 3 minutes on 2 cores).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # Peer engines for the benchmarks (llama.cpp through llama-cpp-python; compiles llama.cpp).
 bench-peers: $(STAMP)
 	$(PIP) install llama-cpp-python
 
+# The foundation comparison with llama.cpp and transformers (the peers preset replaces bench/compare_peers.py).
 bench: bench-peers
-	$(PY) bench/compare_peers.py --threads 2
+	$(VENV)/bin/hybridllm bench --preset peers --threads 2 --repeat 3 --device cpu
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

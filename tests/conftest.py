@@ -1,9 +1,13 @@
-"""Shared fixtures: tiny random models (HF folder + GGUF) and the default model."""
+"""Shared fixtures: tiny random models (HF folder + GGUF), the default model, and loaded
+``LLM``s shared by configuration (``shared_llm``)."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,9 +48,27 @@ def default_model_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_llm():
-    """The default model dequantized to float32 on the CPU (the golden reference: transformers
-    runs the same file in float32), loaded once for the session."""
+def shared_llm() -> Callable[..., Any]:
+    """``shared_llm(**options)``: an ``LLM(**options)`` loaded once per distinct set of options
+    for the whole session (paths count by their text). Only for tests that use the model as it
+    is (generate, forward, read its figures): a test that transforms the model or changes the
+    LLM's settings builds its own."""
     from hybridllm import LLM
 
-    return LLM(weights="float")
+    loaded: dict[frozenset, Any] = {}
+
+    def get(**options: Any) -> Any:
+        key = frozenset((name, os.fspath(value) if isinstance(value, os.PathLike) else value)
+                        for name, value in options.items())
+        if key not in loaded:
+            loaded[key] = LLM(**options)
+        return loaded[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_llm(shared_llm):
+    """The default model dequantized to float32 on the CPU (the golden reference: transformers
+    runs the same file in float32), loaded once for the session."""
+    return shared_llm(weights="float")

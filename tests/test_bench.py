@@ -64,6 +64,7 @@ def assert_png(path: Path) -> None:
 
 
 # ---- the acceptance test -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_two_config_sweep_with_a_forced_failure(tiny_gguf, tmp_path):
     common = dict(model=tiny_gguf, context=24, new_tokens=4, repeat=2, threads=1)
     configs = [BenchConfig(**common), BenchConfig(**common, kv_options={"vram_budget": "1KiB"})]
@@ -107,12 +108,14 @@ def test_two_config_sweep_with_a_forced_failure(tiny_gguf, tmp_path):
     assert_png(tmp_path / "out.png")
 
 
+@pytest.mark.slow
 def test_timeout_becomes_a_row(tiny_gguf):
     rows = run_sweep([BenchConfig(model=tiny_gguf, context=8, new_tokens=2)], timeout_s=0.3, progress=False)
     assert rows[0]["status"] == "timeout"
     assert "0.3" in rows[0]["error"]
 
 
+@pytest.mark.slow
 def test_sweep_skips_contexts_beyond_the_window_without_running(tiny_gguf):
     rows = run_sweep([BenchConfig(model=tiny_gguf, context=500, new_tokens=100)], progress=False)
     assert rows[0]["status"] == "skipped"
@@ -121,6 +124,7 @@ def test_sweep_skips_contexts_beyond_the_window_without_running(tiny_gguf):
 
 
 # ---- the CLI ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_cli_bench_writes_every_output(tiny_gguf, tmp_path):
     from hybridllm.cli import app
 
@@ -295,6 +299,7 @@ def test_random_weights_are_a_checkpoint_source(tiny_config_json, tiny_gguf):
     assert random.nbytes("model.embed_tokens.weight") == TINY_CONFIG["vocab_size"] * TINY_CONFIG["hidden_size"] * 2
 
 
+@pytest.mark.slow
 def test_random_weights_model_generates_and_matches_transformers(tiny_config_json):
     from hybridllm.bench.random_weights import random_hf_model, random_llm
     from hybridllm.config import SamplingParams
@@ -319,6 +324,7 @@ def test_memory_precheck_turns_a_huge_model_into_an_oom_row():
 
 
 # ---- peers, measured in this process -------------------------------------------------------------
+@pytest.mark.slow
 def test_transformers_peer_same_method(tiny_gguf):
     row = measure_row(BenchConfig(engine="transformers", model=tiny_gguf, context=12, new_tokens=3))
     assert row["status"] == "ok", row["error"]
@@ -331,6 +337,7 @@ def test_transformers_peer_same_method(tiny_gguf):
         assert offloaded["status"] == "skipped" and "CUDA" in offloaded["error"]
 
 
+@pytest.mark.slow
 def test_llama_cpp_peer_same_method(tiny_gguf, tiny_config_json):
     skipped = measure_row(BenchConfig(engine="llama.cpp", random_weights=tiny_config_json, context=8, new_tokens=2))
     assert skipped["status"] == "skipped" and "GGUF" in skipped["error"]
@@ -368,3 +375,84 @@ def test_speed_preset_and_ratio_and_bandwidth_columns():
     assert "| 512 | hybridllm (int4) | 900.0 | 60.0 | 0.50x | 3.00x | " in text
     assert "30 %" in text
     assert report.speed_records([ours], bandwidth_gbs=None)[0]["limit_fraction"] is None
+
+
+# ---- the presets that replace the former bench/ scripts ---------------------------------------------
+def test_kv_preset_runs_every_variant_and_a_random_twin_past_the_window(tmp_path):
+    from hybridllm.bench import kv_strategies
+    from hybridllm.bench.presets import build_preset_grid
+
+    settings = resolve("kv", contexts=[1024, 16384])
+    grid = build_preset_grid(settings, new_tokens=16, kv_options={"vram_budget": "1GB"})
+    names = [kv_strategies.variant_name(c.kv_cache, c.kv_options) for c in grid]
+    assert names == list(kv_strategies.KV_VARIANTS) * 2
+    assert all(c.kv_options["vram_budget"] == "1GB" for c in grid)
+    short, long = grid[0], grid[-1]
+    assert (short.context, short.random_weights) == (1024, None)
+    assert long.context == 16384 and long.random_weights is not None
+    twin = json.loads(Path(long.random_weights).read_text())
+    assert twin["max_position_embeddings"] == 16384 + 16 and twin["hidden_size"] == 576  # the default model's shape
+    only_tiered = build_preset_grid(resolve("kv", kv_caches=["tiered"], contexts=[512]), new_tokens=4)
+    assert [kv_strategies.variant_name(c.kv_cache, c.kv_options) for c in only_tiered] == ["tiered", "tiered-cold4"]
+
+
+def test_kv_table_shows_variants_bus_directions_and_pages():
+    from hybridllm.bench import kv_strategies
+
+    row = {**_row(), "kv_cache": "quantized", "kv_options": {"kv_bits": 4}, "context": 4096,
+           "bus_bytes_detail": {"h2d": 2048, "d2h": 1024}, "kv_pages_moved": 7, "kv_bytes": {"device": 1, "host": 0}}
+    failed = {**_row(), "kv_cache": "tiered", "kv_options": {"kv_cold_bits": 4}, "status": "oom", "error": "no RAM"}
+    (ok, bad) = kv_strategies.records([row, failed])
+    assert ok[:3] == ["4K", "tiny.gguf", "quantized-int4"] and ok[7:10] == ["2.0 KiB", "1.0 KiB", "7"]
+    assert bad[2] == "tiered-cold4" and bad[-1] == "oom: no RAM"
+    assert kv_strategies.kv_markdown([row], {"threads": 2, "new_tokens": 16}).count("| 4K |") == 1
+
+
+def test_peers_table_ratio_to_llama_cpp_and_section():
+    from hybridllm.bench import peers_report
+
+    rows = [{**_row(), "engine": "llama.cpp", "decode_tps": 20.0}, {**_row(), "decode_tps": 10.0},
+            {**_row(), "engine": "transformers", "status": "skipped", "error": "not installed"}]
+    cells, notes = peers_report.records(rows)
+    assert [c[1] for c in cells] == ["hybridllm", "llama.cpp", "transformers"]
+    assert [c[5] for c in cells] == ["0.50x", "1.00x", "-"]
+    assert cells[2][-1] == "skipped [1]" and "not installed" in notes[0]
+    machine = {"cpu": "CPU", "cores": 2, "ram_bytes": 2**33, "gpu": None, "os": "Linux", "python": "3.11",
+               "torch": "2", "transformers": None, "llama-cpp-python": None}
+    text = peers_report.section(rows, machine, {"command": "hybridllm bench --preset peers", "threads": 2,
+                                                "started": "2026-01-01T10:00:00", "load_average": [1.0, 2.0],
+                                                "new_tokens": 128, "repeat": 3})
+    assert text.startswith("## Foundation:") and "hybridllm bench --preset peers" in text
+    assert "1.00 at the start, 2.00 at the end" in text and "median of 3 run(s)" in text
+
+
+def test_planner_table_and_tolerance():
+    from hybridllm.bench import planner_accuracy
+
+    rows = [{"context": 512, "predicted_decode_tps": 20.0, "measured_decode_tps": 19.0, "error": 1 / 19,
+             "cpu_utilisation": 0.98, "predicted_ttft_s": 0.6, "measured_ttft_s": 0.8}]
+    assert planner_accuracy.records(rows) == [["512", "20.0", "19.0", "+5%", "0.98", "0.60 s", "0.80 s"]]
+    assert planner_accuracy.within_tolerance(rows)
+    assert not planner_accuracy.within_tolerance([{**rows[0], "error": -0.31}])
+    assert resolve("planner")["contexts"] == [512, 4096] and resolve("planner")["new_tokens"] == 64
+
+
+@pytest.mark.slow
+def test_cli_kv_preset_writes_its_table(tiny_gguf, tmp_path):
+    from hybridllm.cli import app
+
+    out = tmp_path / "kv.md"
+    result = CliRunner().invoke(app, [
+        "bench", "--preset", "kv", "--model", tiny_gguf, "--context", "16", "--new-tokens", "2", "--kv-cache",
+        "quantized", "--threads", "1", "--no-warmup", "--markdown", str(out), "--timeout", "300",
+    ])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "| 16 | llama.gguf | quantized-int8 |" in text and "| 16 | llama.gguf | quantized-int4 |" in text
+
+
+def _row() -> dict:
+    config = BenchConfig(model="tiny.gguf", context=512)
+    from hybridllm.bench.sweep import base_row
+
+    return {**base_row(config), "status": "ok", "prefill_tps": 100.0, "decode_tps": 10.0}

@@ -15,6 +15,8 @@ from hybridllm.cli.options import KVOptions
 
 from test_default_model import METRIC_KEYS
 
+pytestmark = pytest.mark.slow  # each test runs the CLI in a new process
+
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridllm.cli", *args], capture_output=True, text=True,

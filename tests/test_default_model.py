@@ -8,6 +8,8 @@ import torch
 
 from hybridllm import SamplingParams
 
+pytestmark = pytest.mark.slow  # the default model next to transformers
+
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

@@ -163,6 +163,7 @@ def test_profile_round_trips_through_json():
     assert profile.ram_available_bytes <= profile.ram_total_bytes
 
 
+@pytest.mark.slow
 def test_cli_doctor_json_schema():
     proc = subprocess.run([sys.executable, "-m", "hybridllm.cli", "doctor", "--json", "--quick", "--threads", "1"],
                           capture_output=True, text=True, timeout=300, check=False)
@@ -186,6 +187,7 @@ def test_cli_doctor_json_schema():
     assert disk is None or disk["bytes_read"] > 0
 
 
+@pytest.mark.slow
 def test_cli_doctor_table_and_bad_model():
     proc = subprocess.run([sys.executable, "-m", "hybridllm.cli", "doctor", "--quick", "--threads", "1"],
                           capture_output=True, text=True, timeout=300, check=False)

@@ -96,6 +96,7 @@ def test_permutation_roundtrip():
     assert not torch.equal(permute_rows(w, 3), w)
 
 
+@pytest.mark.slow
 def test_header_matches_gguf_py_on_default_model(default_model_path):
     import gguf
 

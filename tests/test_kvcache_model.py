@@ -27,6 +27,8 @@ from hybridllm.kvcache.batch import BatchedCaches
 
 from tiny_models import build_hf_model
 
+pytestmark = pytest.mark.slow  # every KV strategy on the default model
+
 PROMPT_TOKENS = 1500
 NEW_TOKENS = 64
 PREFILL_CHUNK = 512

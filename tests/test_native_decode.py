@@ -294,7 +294,8 @@ def test_split_placement_counts_the_same_hops_natively(tiny_models, monkeypatch)
     assert results[0][1] > 0
 
 
-def test_default_model_int4_native_decode_is_closer_to_exact_than_pytorch():
+@pytest.mark.slow
+def test_default_model_int4_native_decode_is_closer_to_exact_than_pytorch(shared_llm):
     """On the default model's Q4_1/Q8_0 weights, native decode logits stay at least as close to
     the float product over the dequantized weights as PyTorch's bfloat16 int4 kernel."""
     from hybridllm import LLM
@@ -310,9 +311,9 @@ def test_default_model_int4_native_decode_is_closer_to_exact_than_pytorch():
         return torch.nn.functional.kl_div(x.log_softmax(-1), exact.log_softmax(-1), log_target=True,
                                           reduction="batchmean").item()
 
-    native_llm = LLM(weights="auto", threads=2)
+    native_llm = shared_llm(weights="auto", threads=2)
     assert native_llm.model.speed_report.native.whole_step
-    pytorch_llm = LLM(weights="auto", threads=2, native_decode=False)
+    pytorch_llm = shared_llm(weights="auto", threads=2, native_decode=False)
     exact_llm = LLM(weights="auto", threads=2, native_decode=False)
     dequantize_model(exact_llm.model)
     exact = decode_logits(exact_llm)

@@ -70,9 +70,9 @@ def test_gguf_qk_rows_are_permuted_on_disk(tiny_models):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_half_precision_dtypes_run_close_to_float32(tiny_models, dtype):
+def test_half_precision_dtypes_run_close_to_float32(tiny_models, dtype, shared_llm):
     folder = tiny_models["llama"][0]
-    ref = LLM(model=folder)
+    ref = shared_llm(model=folder)
     low = LLM(model=folder, dtype=dtype)
     assert low.model.compute_dtype == getattr(torch, dtype)
     ids = list(range(5, 25))

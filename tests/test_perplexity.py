@@ -39,10 +39,8 @@ def test_windows_are_non_overlapping_and_drop_single_tokens():
         windows([1, 2, 3], 1)
 
 
-def test_perplexity_equals_a_direct_computation(tiny_models):
-    from hybridllm import LLM
-
-    llm = LLM(tiny_models["llama"][1])
+def test_perplexity_equals_a_direct_computation(tiny_models, shared_llm):
+    llm = shared_llm(model=tiny_models["llama"][1])
     ids = list(range(3, 60))
     result = evaluate_perplexity(llm.runtime, llm.runtime, ids, context=20, chunk=7)
     nll, count = 0.0, 0

@@ -43,6 +43,7 @@ def reference(default_llm):
     {"n_gpu_layers": 12, "decode_on": "host", "kv_cache": "tiered", "kv_hot_window": 4, "kv_page_size": 4},
     {"n_gpu_layers": 20, "kv_cache": "offloaded"},
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.slow
 def test_every_placement_gives_the_all_on_device_tokens(options, reference, default_llm):
     llm = LLM(weights="float", **options)
     out = llm.generate(PROMPT, GREEDY)
@@ -66,6 +67,7 @@ def test_every_placement_gives_the_all_on_device_tokens(options, reference, defa
     assert m["adaptive_actions"] == []
 
 
+@pytest.mark.slow
 def test_split_kv_lives_with_its_layer(default_llm):
     llm = LLM(weights="float", n_gpu_layers=10)
     cache = llm.new_cache()
@@ -135,6 +137,7 @@ def test_bad_placement_inputs(tiny_models, tmp_path):
         LLM(model=folder, placement=wrong_count)
 
 
+@pytest.mark.slow
 def test_cli_invalid_placement_file_is_one_line(tmp_path, tiny_models):
     folder = str(tiny_models["llama"][0])
     broken = tmp_path / "broken.json"
@@ -147,6 +150,7 @@ def test_cli_invalid_placement_file_is_one_line(tmp_path, tiny_models):
                           "not found")
 
 
+@pytest.mark.slow
 def test_cli_ngl_and_decode_on_host(tiny_models):
     folder = str(tiny_models["llama"][0])
     args = ("generate", "hello", "--model", folder, "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json")
@@ -179,6 +183,7 @@ def test_tier_of_parameter():
 
 
 # ---- adaptive re-planning ------------------------------------------------------------------
+@pytest.mark.slow
 def test_dynamic_cache_over_budget_moves_decoding_to_the_host(default_llm, reference, caplog):
     llm = LLM(weights="float", vram_budget=default_llm.weight_bytes["device"] + 100_000)  # far less than 24+8 tokens of KV
     with caplog.at_level(logging.WARNING, logger="hybridllm.engine.adaptive"):
@@ -190,6 +195,7 @@ def test_dynamic_cache_over_budget_moves_decoding_to_the_host(default_llm, refer
     assert out.metrics["kv_bytes"]["device"] == 0 and out.metrics["kv_bytes"]["host"] > 0  # the KV now lives on the host
 
 
+@pytest.mark.slow
 def test_tiered_budget_below_one_step_reruns_the_step_on_the_host(default_llm, reference):
     llm = LLM(weights="float", vram_budget=default_llm.weight_bytes["device"] + 300_000, kv_cache="tiered",
               kv_hot_window=16, kv_page_size=4)
@@ -198,6 +204,7 @@ def test_tiered_budget_below_one_step_reruns_the_step_on_the_host(default_llm, r
     assert out.metrics["adaptive_actions"] and "mid-step" in out.metrics["adaptive_actions"][0]
 
 
+@pytest.mark.slow
 def test_without_adaptive_the_budget_error_is_raised(default_llm):
     from hybridllm.kvcache.base import KVBudgetError
 

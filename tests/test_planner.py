@@ -271,6 +271,7 @@ MISTRAL_ARGS = ("plan", "--model", str(MISTRAL_JSON), "--vram", "8GiB", "--ram",
                 "--device-bandwidth", "256", "--pcie-bandwidth", "12", "--host-bandwidth", "40", "--no-probe")
 
 
+@pytest.mark.slow
 def test_cli_plan_json():
     proc = run_cli(*MISTRAL_ARGS, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -281,6 +282,7 @@ def test_cli_plan_json():
     assert data["predicted"]["decode_tps"] > 0 and data["predicted"]["ttft_s"] > 0
 
 
+@pytest.mark.slow
 def test_cli_plan_table_and_impossible_plan():
     proc = run_cli(*MISTRAL_ARGS)
     assert proc.returncode == 0, proc.stderr
@@ -302,6 +304,7 @@ def _llm_takes_placement() -> bool:
     return "placement" in inspect.signature(LLM.__init__).parameters
 
 
+@pytest.mark.slow
 def test_cli_plan_apply_reports_predicted_and_measured():
     proc = run_cli("plan", "--apply", "--json", "--no-probe", "--ram", "8GiB", "--max-tokens", "4", "--threads", "2")
     if not _llm_takes_placement():

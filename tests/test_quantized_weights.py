@@ -248,11 +248,11 @@ def test_auto_falls_back_to_float_for_types_without_kernel(tiny_quantized, caplo
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_hf_folder_requantized(tiny_models, mode):
+def test_hf_folder_requantized(tiny_models, mode, shared_llm):
     from hybridllm import LLM
 
     folder = tiny_models["qwen2"][0]  # q/k/v biases
-    quant, ref = LLM(folder, weights=mode, fuse=False), LLM(folder, fuse=False)
+    quant, ref = LLM(folder, weights=mode, fuse=False), shared_llm(model=folder, fuse=False)
     assert quant.weights_format == mode
     assert quant.model.model.layers[0].self_attn.q_proj.bias is not None
     ids = list(range(5, 30))
@@ -325,12 +325,11 @@ REFERENCE_PROMPTS = ["What is the capital of France?", "Write a haiku about the 
 
 
 @pytest.fixture(scope="module")
-def default_int4():
-    from hybridllm import LLM
-
-    return LLM(weights="int4")
+def default_int4(shared_llm):
+    return shared_llm(weights="int4")
 
 
+@pytest.mark.slow
 def test_default_model_int4_greedy_equals_float(default_llm, default_int4):
     """The float path's greedy choice, teacher-forced on the int4 output, is the int4 output itself
     (one float forward per prompt instead of a float decode loop: the same check, cheaper)."""
@@ -351,6 +350,7 @@ def test_default_model_int4_greedy_equals_float(default_llm, default_int4):
     assert same >= 2, f"int4 greedy output equals float on {same} of 3 prompts"
 
 
+@pytest.mark.slow
 def test_default_model_int4_weight_bytes_near_file_bytes(default_int4):
     file_bytes = sum(info.nbytes for info in default_int4.checkpoint.tensors.values())
     ledger = sum(default_int4.weight_bytes.values())
@@ -360,6 +360,7 @@ def test_default_model_int4_weight_bytes_near_file_bytes(default_int4):
     assert abs(default_int4.decode_weight_bytes / file_bytes - 1) <= 0.15  # what one decode step reads
 
 
+@pytest.mark.slow
 def test_default_model_int4_resident_memory_near_file_bytes():
     """RSS growth of loading the model (after the runtime has warmed up) is the weights' bytes."""
     script = textwrap.dedent("""

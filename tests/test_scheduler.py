@@ -82,8 +82,8 @@ def tiny_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_weight_bytes(tiny_folder) -> int:
-    return LLM(model=tiny_folder).weight_bytes["device"]
+def tiny_weight_bytes(tiny_folder, shared_llm) -> int:
+    return shared_llm(model=tiny_folder).weight_bytes["device"]
 
 
 def long_params(n: int = 40) -> SamplingParams:
@@ -244,6 +244,7 @@ def test_adaptive_capacity_counts_the_host_and_moves_sequences_there(tiny_folder
 
 
 # ---- the default model: batched greedy == single-request generate ----------------------------
+@pytest.mark.slow
 def test_batched_greedy_equals_single_request_generate(default_llm):
     # one request ends on a stop string mid-batch: a word from the middle of its own greedy answer
     words = reference(default_llm, CHAT_PROMPTS[2]).text.split()
@@ -296,9 +297,9 @@ def test_batched_caches_route_rows_to_their_own_caches(default_llm):
 @pytest.mark.parametrize("placement", [{"n_gpu_layers": 1}, {"n_gpu_layers": 1, "decode_on": "host"},
                                        {"decode_on": "host", "kv_cache": "tiered", "kv_page_size": 4,
                                         "kv_hot_window": 8}])
-def test_batched_placements_equal_single_request_generate(tiny_folder, placement):
+def test_batched_placements_equal_single_request_generate(tiny_folder, placement, shared_llm):
     llm = LLM(model=tiny_folder, **placement)
-    reference_llm = LLM(model=tiny_folder)
+    reference_llm = shared_llm(model=tiny_folder)
     sched = Scheduler(llm.runtime, max_batch=4)
     out = Collector()
     prompts = ["The quick brown fox", "Paris is", "Hybrid inference splits layers", "hello"]

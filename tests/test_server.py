@@ -24,6 +24,8 @@ import psutil
 import pytest
 from serving_helpers import CHAT_PROMPTS, MAX_TOKENS, reference
 
+pytestmark = pytest.mark.slow  # servers in their own processes, a soak test
+
 STARTUP_TIMEOUT_S = 300
 
 

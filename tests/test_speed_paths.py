@@ -134,6 +134,7 @@ def test_speed_transforms_keep_parity_with_transformers(tiny_models, arch):
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_equals_eager(tiny_models):
     eager, _ = _load(tiny_models, "qwen2")
     compiled, _ = _load(tiny_models, "qwen2")
@@ -177,6 +178,7 @@ def test_quantized_kv_attention_from_codes_matches_dequantize_all(bits, group_si
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_default_model_fused_int4_generates_the_same_tokens():
     from hybridllm import LLM, SamplingParams
 

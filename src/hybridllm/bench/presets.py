@@ -1,4 +1,10 @@
-"""Named grids. Flags given on the command line override a preset's values."""
+"""Named grids. Flags given on the command line override a preset's values.
+
+Each preset replaces what used to be a script of its own: ``peers`` the foundation comparison
+with llama.cpp and transformers, ``kv`` every KV strategy side by side, ``planner`` the
+planner's predicted vs measured decode speed (measured in this process, see
+``hybridllm.bench.planner_accuracy``).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "new_tokens": 128,
         "repeat": 3,
     },
-    # The foundation comparison with the peers (bench/compare_peers.py).
+    # The foundation comparison with the peers; prints the table with the ratio to llama.cpp and,
+    # with --markdown, the section of docs/benchmarks.md (machine, command, load average).
     "peers": {
         "contexts": [16, 512, 1500],
         "kv_caches": ["dynamic"],
@@ -34,6 +41,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "new_tokens": 128,
         "repeat": 3,
         "weights": "auto",
+    },
+    # Every KV strategy and its main variants side by side (hybridllm.bench.kv_strategies): decode
+    # speed, peak KV bytes per tier, bus traffic, pages moved. Contexts beyond the default model's
+    # window run on a random-weights model of its shape with the window raised.
+    "kv": {
+        "contexts": [1024, 4096, 16384],
+        "kv_caches": ["dynamic", "offloaded", "quantized", "tiered", "host"],
+        "kv_variants": ["dynamic", "offloaded", "quantized-int8", "quantized-int4", "tiered", "tiered-cold4", "host"],
+        "long_context": "random",
+        "decode_ons": [None],
+        "baselines": [],
+        "new_tokens": 16,
+        "repeat": 1,
+    },
+    # The planner's prediction next to the measured decode speed of the default model on this
+    # machine (hybridllm.bench.planner_accuracy): best of ``repeat`` generations per context.
+    "planner": {
+        "contexts": [512, 4096],
+        "kv_caches": ["dynamic"],
+        "decode_ons": [None],
+        "baselines": [],
+        "new_tokens": 64,
+        "repeat": 3,
     },
 }
 
@@ -59,3 +89,25 @@ def resolve(preset: str | None, **given: Any) -> dict[str, Any]:
         settings.update(PRESETS[preset])
     settings.update({k: v for k, v in given.items() if v is not None})
     return settings
+
+
+def build_preset_grid(settings: dict[str, Any], **common: Any) -> list:
+    """The sweep's configurations for resolved ``settings``.
+
+    With ``kv_variants`` (``--preset kv``) our engine runs every variant whose strategy is among
+    ``settings["kv_caches"]`` (so ``--kv-cache tiered`` keeps tiered and tiered-cold4), and the
+    peers, if any, are added per context; otherwise the plain grid of ``build_grid``.
+    """
+    from hybridllm.bench.sweep import build_grid
+
+    if not settings.get("kv_variants"):
+        return build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"],
+                          settings["n_gpu_layers"], settings["baselines"], **common)
+    from hybridllm.bench.kv_strategies import KV_VARIANTS, build_variant_grid
+
+    variants = [v for v in settings["kv_variants"] if KV_VARIANTS[v][0] in settings["kv_caches"]]
+    ours = build_variant_grid(settings["contexts"], variants, settings["decode_ons"], settings["n_gpu_layers"],
+                              long_context=settings.get("long_context", "skip"), **common)
+    peers = build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"], settings["n_gpu_layers"],
+                       settings["baselines"], include_ours=False, **common)
+    return sorted(ours + peers, key=lambda config: config.context)  # stable: ours first at each context

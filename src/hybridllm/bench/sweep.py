@@ -166,6 +166,8 @@ def base_row(config: BenchConfig) -> dict[str, Any]:
         "peak_host_bytes": None,
         "kv_bytes": {"device": None, "host": None},
         "bus_bytes": None,
+        "bus_bytes_detail": None,  # {"h2d": ..., "d2h": ...} where the engine reports it
+        "kv_pages_moved": None,
         "status": "error",
         "error": None,
         "threads": config.threads,

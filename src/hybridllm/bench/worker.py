@@ -81,6 +81,7 @@ class HybridRunner:
                     "generated_tokens"):
             figures[key] = metrics[key]  # the engine's own recorder, same formulas
         figures["kv_pages_moved"] = metrics.get("kv_pages_moved")
+        figures["bus_bytes_detail"] = metrics.get("bus_bytes_detail")
         figures["weights_format"] = metrics.get("weights_format")
         figures["weight_bytes"] = metrics.get("weight_bytes")
         figures["decode_weight_bytes"] = metrics.get("decode_weight_bytes")
@@ -146,7 +147,9 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     return {"status": "ok", "error": None, "variant": runner.variant, "load_s": load_s, **summarize(runs),
             "weights_format": runs[0].get("weights_format"),
             "weight_bytes": runs[0].get("weight_bytes") or {"device": None, "host": None},
-            "decode_weight_bytes": runs[0].get("decode_weight_bytes"), "runs": runs}
+            "decode_weight_bytes": runs[0].get("decode_weight_bytes"),
+            "kv_pages_moved": runs[0].get("kv_pages_moved"), "bus_bytes_detail": runs[0].get("bus_bytes_detail"),
+            "runs": runs}
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:

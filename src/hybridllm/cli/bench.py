@@ -7,6 +7,8 @@ Heavy modules are imported inside the command, so importing this file is cheap.
 
 from __future__ import annotations
 
+import datetime as dt
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -67,7 +69,7 @@ def bench(
     n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device, comma-separated (also passed to llama.cpp).", rich_help_panel=PLACEMENT_PANEL)] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Peers measured the same way, comma-separated: llama.cpp,transformers (or none).")] = None,
     repeat: Annotated[Optional[int], typer.Option("--repeat", "-r", help="Measured runs per configuration (median and spread reported).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers) or speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit).")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers), speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit), kv (every KV strategy and variant: bytes per tier, bus traffic) or planner (the planner's predicted vs measured decode, in this process).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Write the plots as one PNG.")] = None,
@@ -76,17 +78,17 @@ def bench(
     kv_opt: Annotated[Optional[list[str]], typer.Option("--kv-opt", help="More KV options for our engine, KEY=VALUE (repeatable), e.g. kv_hot_window=1024; the --kv-* flags override them.")] = None,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="A short request before the measured ones.")] = True,
     seed: Annotated[int, typer.Option("--seed", help="Seed of --random-weights.")] = 0,
+    wait_idle: Annotated[float, typer.Option("--wait-idle", help="--preset planner: seconds to wait, at most, for the other processes to leave the CPUs idle before each generation.")] = 0.0,
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
 ) -> None:
     """Measure prefill and decode over a grid of contexts, KV strategies and placements, and peers."""
-    from hybridllm.bench import presets, report
+    from hybridllm.bench import kv_strategies, peers_report, presets, report
     from hybridllm.bench.sweep import (
         BASELINES,
         DECODE_ON,
         BenchConfig,
-        build_grid,
         model_window,
         parse_contexts,
         parse_layers,
@@ -120,6 +122,11 @@ def bench(
         raise ConfigError("--timeout must be > 0")
     device = resolve_device(model.device)
     threads = model.threads
+    if preset == "planner":  # measured in this process: the prediction is about this process's model
+        from hybridllm.bench.planner_accuracy import run_preset
+
+        raise typer.Exit(run_preset(settings, threads, wait_idle, json_out, markdown_out,
+                                    shlex.join(["hybridllm", *sys.argv[1:]])))
     EngineConfig(device=device, dtype=model.dtype, threads=threads, prefill_chunk=model.prefill_chunk)
     kv_options = {**_parse_kv_options(kv_opt), **changed(kv)}  # kv_cache is a sweep axis, never in changed(kv)
     llm_options = changed(speed)
@@ -152,11 +159,16 @@ def bench(
                   dtype=model.dtype, warmup=warmup, kv_options=kv_options, seed=seed,
                   prefill_chunk=model.prefill_chunk, weights=weights, llm_options=llm_options)
     model_window(BenchConfig(**common))  # a missing or unreadable model fails here, before the sweep
-    grid = build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"], settings["n_gpu_layers"],
-                      settings["baselines"], **common)
+    grid = presets.build_preset_grid(settings, **common)
+    started, load_start = dt.datetime.now(dt.UTC), os.getloadavg()[0]
     rows = run_sweep(grid, timeout_s=timeout, progress=True)
 
     report.print_summary(rows)
+    if preset == "peers":
+        peers_report.print_peers(rows)
+    if preset == "kv":
+        kv_strategies.print_kv(rows, {**settings, "threads": threads, "device": device, "dtype": model.dtype,
+                                      "kv_options": kv_options})
     if preset == "paper":
         report.print_table(report.PAPER_HEADERS, report.paper_records(rows), title="the study's layout")
     bandwidth_gbs = None
@@ -167,7 +179,8 @@ def bench(
         report.print_speed(rows, bandwidth_gbs)
     recorded = {**settings, "preset": preset, "timeout_s": timeout, "threads": threads, "device": device,
                 "dtype": model.dtype, "kv_options": kv_options, "llm_options": llm_options, "weights": weights,
-                "host_read_gbs": bandwidth_gbs, "command": shlex.join(["hybridllm", *sys.argv[1:]])}
+                "host_read_gbs": bandwidth_gbs, "command": shlex.join(["hybridllm", *sys.argv[1:]]),
+                "started": started.isoformat(timespec="seconds"), "load_average": [load_start, os.getloadavg()[0]]}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
     if csv_out is not None:
@@ -178,6 +191,10 @@ def bench(
             text = report.paper_markdown(rows) + "\n\n" + text
         if preset == "speed":
             text = report.speed_markdown(rows, bandwidth_gbs) + "\n\n" + text
+        if preset == "peers":
+            text = peers_report.section(rows, report.machine_info(), recorded)
+        if preset == "kv":
+            text = kv_strategies.kv_markdown(rows, recorded) + "\n\n" + text
         markdown_out.expanduser().parent.mkdir(parents=True, exist_ok=True)
         markdown_out.write_text(text + "\n")
     if plot_out is not None:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Load test of ``hybridllm serve``: a bounded burst of chat requests over loopback.
 
-    .venv/bin/python bench/load_test.py --max-batch 16          # starts its own server, then stops it
-    .venv/bin/python bench/load_test.py --max-batch 1           # the same load without batching
-    .venv/bin/python bench/load_test.py --url http://127.0.0.1:8000 --model NAME   # an already running server
+    .venv/bin/python tools/load_test.py --max-batch 16          # starts its own server, then stops it
+    .venv/bin/python tools/load_test.py --max-batch 1           # the same load without batching
+    .venv/bin/python tools/load_test.py --url http://127.0.0.1:8000 --model NAME   # an already running server
 
 Defaults: 64 requests, 16 in flight at once, 32 new tokens each (greedy, end-of-sequence
 ignored, so every request generates exactly that many), 16 different chat prompts in turn,

@@ -1,6 +1,6 @@
 """Where a native decode step spends its time, phase by phase (a layer's norm, q/k/v, attention ...).
 
-    python bench/profile_native.py --context 512 [--steps 100] [--threads 2] [--model PATH]
+    python tools/profile_native.py --context 512 [--steps 100] [--threads 2] [--model PATH]
 
 Builds the kernels with ``-DHL_PROFILE`` (thread 0 accumulates the time between the phases'
 barriers with ``omp_get_wtime``; the default build has no timers), loads ``LLM(weights="auto")``

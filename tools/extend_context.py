@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Copy a GGUF file with a larger context window in its metadata (weights untouched).
 
-    .venv/bin/python bench/extend_context.py DST.gguf [--src SRC.gguf] [--context 16384]
+    .venv/bin/python tools/extend_context.py DST.gguf [--src SRC.gguf] [--context 16384]
 
 The default model's window is 8,192 tokens. To compare engines at 16K on the same weights, every
 engine must accept the longer context: this copy changes only ``<arch>.context_length`` (rotary

@@ -1,6 +1,6 @@
 """How close decode-step logits are to the exact product over the dequantized weights.
 
-    python bench/native_accuracy.py [--model PATH] [--prompt 32] [--steps 32] [--threads 2]
+    python tools/native_accuracy.py [--model PATH] [--prompt 32] [--steps 32] [--threads 2]
 
 Loads the model three times with ``weights="auto"`` (the file's quantization kept): the native
 decode kernels, PyTorch's quantized kernels (``native_decode=False``), and an exact reference

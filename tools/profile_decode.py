@@ -1,9 +1,9 @@
 """Time and profile decode steps of the default model (or any model) at a given context.
 
-    python bench/profile_decode.py --context 512 --threads 2 --variants base,fuse
-    python bench/profile_decode.py --context 8192 --profile --variants fuse
-    python bench/profile_decode.py --context 512 --variants fuse,fuse+compile
-    python bench/profile_decode.py --context 512 --variants fuse,fuse+native
+    python tools/profile_decode.py --context 512 --threads 2 --variants base,fuse
+    python tools/profile_decode.py --context 8192 --profile --variants fuse
+    python tools/profile_decode.py --context 512 --variants fuse,fuse+compile
+    python tools/profile_decode.py --context 512 --variants fuse,fuse+native
 
 Each variant loads its own copy of the model (``LLM(weights=...)``), prefills a random prompt of
 ``--context`` tokens, and then times ``--steps`` greedy decode steps (``model.forward`` on one
