@@ -66,7 +66,8 @@ def main() -> int:
 
     from hybridllm.config import SamplingParams
     from hybridllm.llm import LLM
-    from hybridllm.placement.plan import hardware_from, load_model_config, plan, predicted_for_run
+    from hybridllm.planner.inputs import hardware_from, load_model_config
+    from hybridllm.planner.search import plan, predicted_for_run
     from hybridllm.placement.probe import probe_machine
 
     torch.set_num_threads(args.threads)

@@ -151,7 +151,7 @@ def test_gpu_figures():
 
 
 def test_profile_round_trips_through_json():
-    from hybridllm.placement.plan import load_model_config
+    from hybridllm.planner.inputs import load_model_config
 
     cfg, _, _ = load_model_config(Path(__file__).resolve().parents[1] / "configs" / "mistral-7b.json")
     profile = probe_machine(threads=1, quick=True, model_config=cfg)

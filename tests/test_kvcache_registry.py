@@ -134,7 +134,7 @@ def test_a_new_strategy_needs_only_a_registry_entry(monkeypatch):
     dense = get_strategy("dynamic")
     toy = KVStrategy(name="toy", tiers=("device",),
                      build=lambda config, spec, ledger: DynamicCache(spec, ledger, page_size=8),
-                     token_bytes=dense.token_bytes, cost=dense.cost)
+                     token_bytes=dense.token_bytes, cost=dense.cost, describe=lambda config: "toy KV")
     monkeypatch.setitem(STRATEGIES, "toy", toy)
     monkeypatch.setattr(config_module, "KV_STRATEGIES", (*config_module.KV_STRATEGIES, "toy"))
     config = KVConfig(kv_cache="toy")

@@ -242,7 +242,8 @@ def diagnose(model: Path | None = None, threads: int | None = None, quick: bool 
 def _model_file(model: Path | None) -> tuple[Path | None, dict[str, Any] | None, Any]:
     """The file whose read speed to measure, what we know about the model, and its config."""
     from hybridllm.errors import HybridLLMError
-    from hybridllm.placement.plan import load_model_config, weights_bytes_by_format
+    from hybridllm.planner.inputs import load_model_config
+    from hybridllm.planner.memory import weights_bytes_by_format
 
     try:
         if model is None:

@@ -143,4 +143,5 @@ STRATEGY = KVStrategy(
     build=lambda config, spec, ledger: DynamicCache(spec, ledger, page_size=config.kv_page_size),
     token_bytes=lambda config, spec: {"device": spec.n_layers * dense_token_bytes(spec)},
     cost=lambda config, spec, n_tokens, query_bytes: dense_cost("device", spec, n_tokens),
+    describe=lambda config: "dynamic KV",
 )

@@ -96,4 +96,6 @@ STRATEGY = KVStrategy(
     build=lambda config, spec, ledger: HostCache(spec, ledger, page_size=config.kv_page_size),
     token_bytes=lambda config, spec: {"host": spec.n_layers * dense_token_bytes(spec)},
     cost=_host_cost,
+    describe=lambda config: "KV and attention on the host",
+    moving_parts=3,
 )

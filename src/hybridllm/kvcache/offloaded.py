@@ -120,4 +120,6 @@ STRATEGY = KVStrategy(
     token_bytes=lambda config, spec: {"host": spec.n_layers * dense_token_bytes(spec),
                                       "device": 2 * dense_token_bytes(spec)},
     cost=_offloaded_cost,
+    describe=lambda config: "offloaded KV (in RAM, streamed per layer)",
+    moving_parts=3,
 )

@@ -144,4 +144,6 @@ STRATEGY = KVStrategy(
                                                       group_size=config.kv_group_size, residual=config.kv_residual),
     token_bytes=_quantized_token_bytes,
     cost=_quantized_cost,
+    describe=lambda config: f"quantized int{config.kv_bits} KV",
+    moving_parts=1,
 )

@@ -54,6 +54,9 @@ class KVStrategy:
             of the spec), once the fixed windows (residual, hot window, sinks) are full.
         cost: the cache's :class:`KVCost` at ``n`` tokens; ``query_bytes`` is what crosses the
             bus per layer when attention runs on the other tier (q there, output and LSE back).
+        describe: a few words on the strategy with these knobs (the planner's explanation).
+        moving_parts: how much machinery it adds (quantization, tiers, streaming); the planner
+            prefers fewer on a tie.
     """
 
     name: str
@@ -61,6 +64,8 @@ class KVStrategy:
     build: Callable[[KVConfig, KVSpec, MemoryLedger], KVCache]
     token_bytes: Callable[[KVConfig, KVSpec], dict[str, float]]
     cost: Callable[[KVConfig, KVSpec, int, float], KVCost]
+    describe: Callable[[KVConfig], str]
+    moving_parts: int = 0
 
     def memory(self, config: KVConfig, spec: KVSpec, n_tokens: int) -> dict[str, float]:
         """Bytes per tier the cache holds at ``n_tokens`` (the memory model)."""

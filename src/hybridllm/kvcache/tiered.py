@@ -254,4 +254,7 @@ STRATEGY = KVStrategy(
     ),
     token_bytes=_tiered_token_bytes,
     cost=_tiered_cost,
+    describe=lambda config: (f"tiered KV (hot window {config.kv_hot_window} tokens on the device, cold pages "
+                             f"{config.kv_cold_bits}-bit in RAM)"),
+    moving_parts=2,
 )

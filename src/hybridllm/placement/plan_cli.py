@@ -33,7 +33,7 @@ def plan(
     """Choose where weights and KV live for a model on this machine (or given budgets), and predict TTFT and TPS."""
     from hybridllm.config import parse_bytes
     from hybridllm.errors import ConfigError
-    from hybridllm.placement import plan as planner
+    from hybridllm import planner
 
     cfg, name, has_weights = planner.load_model_config(model)
     vram_bytes, ram_bytes = parse_bytes(vram), parse_bytes(ram)
@@ -90,7 +90,7 @@ def _apply(result: Any, cfg: Any, model: Path | None, prompt: str, max_tokens: i
     from hybridllm.config import SamplingParams
     from hybridllm.errors import ConfigError
     from hybridllm.llm import LLM
-    from hybridllm.placement.plan import predicted_for_run
+    from hybridllm.planner.search import predicted_for_run
 
     if "placement" not in inspect.signature(LLM.__init__).parameters:
         raise ConfigError("--apply needs LLM(placement=...), which this engine does not have yet")
@@ -137,7 +137,8 @@ def print_plan(result: Any, cfg: Any) -> None:
     """The plan as one table: model numbers, machine, placement, prediction, reason."""
     from rich.table import Table
 
-    from hybridllm.placement.plan import GB, fmt_bytes
+    from hybridllm.planner.explain import fmt_bytes
+    from hybridllm.planner.memory import GB
 
     hw, src = result.hardware, result.sources
     pred = result.prediction

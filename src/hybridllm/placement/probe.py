@@ -350,7 +350,7 @@ def measure_model_decode_bandwidth(config: Any, dtype: torch.dtype = torch.float
     """Decode bandwidth at ``config``'s shapes: its layers' matrices and its head, combined in the
     proportion one decode step reads them (GB/s; keys ``layers``, ``head``, ``effective``), and
     the FLOP rate of a 512-token prefill chunk through its layers' matrices (``prefill_flops``)."""
-    from hybridllm.placement.plan import layer_matrix_shapes
+    from hybridllm.planner.memory import layer_matrix_shapes
 
     shapes = layer_matrix_shapes(config)
     layers = measure_matvec_bandwidth(shapes, dtype, device, threads, min_bytes, repeats)
