@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hybridllm.config import KV_STRATEGIES
 from hybridllm.errors import ConfigError
+from hybridllm.kvcache.registry import get_strategy
 
 ENGINES = ("hybridllm", "llama.cpp", "transformers")
 BASELINES = ("llama.cpp", "transformers")
@@ -218,8 +218,7 @@ def build_grid(
     (dynamic, offloaded, quantized), or its DynamicCache when none of them maps.
     """
     for name in kv_caches:
-        if name not in KV_STRATEGIES:
-            raise ConfigError(f"unknown KV cache {name!r}; choose one of {', '.join(KV_STRATEGIES)}")
+        get_strategy(name)  # a ConfigError naming the registered strategies
     for name in baselines:
         if name not in BASELINES:
             raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
