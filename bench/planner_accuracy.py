@@ -68,7 +68,7 @@ def main() -> int:
     from hybridllm.llm import LLM
     from hybridllm.planner.inputs import hardware_from, load_model_config
     from hybridllm.planner.search import plan, predicted_for_run
-    from hybridllm.placement.probe import probe_machine
+    from hybridllm.planner.engine_probe import probe_machine
 
     torch.set_num_threads(args.threads)
     cfg, name, _ = load_model_config(None)

@@ -22,6 +22,7 @@ import torch
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, summarize, synthetic_prompt_ids
 from hybridllm.bench.sweep import ROW_MARKER, BenchConfig, base_row
 from hybridllm.config import KVConfig, ModelConfig, parse_dtype
+from hybridllm.hardware import memory_totals
 from hybridllm.kvcache.base import KVSpec
 from hybridllm.kvcache.registry import get_strategy
 
@@ -132,9 +133,7 @@ def predicted_host_bytes(config: BenchConfig, model: ModelConfig) -> int | None:
 
 
 def _available_host_bytes() -> int:
-    import psutil
-
-    return psutil.virtual_memory().available
+    return memory_totals()[1]
 
 
 def measure(config: BenchConfig) -> dict[str, Any]:
@@ -142,7 +141,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     needed = predicted_host_bytes(config, model_config(config))
     if needed is not None:
         available = _available_host_bytes()
-        if needed * MEMORY_MARGIN > available:
+        if available and needed * MEMORY_MARGIN > available:  # 0: the OS does not say
             return {"status": "oom", "error": f"predicted (not run): needs at least {needed / 2**30:.1f} GiB of RAM "
                                               f"for weights and KV, {available / 2**30:.1f} GiB available"}
     start = time.perf_counter()

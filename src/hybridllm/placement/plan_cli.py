@@ -51,7 +51,7 @@ def plan(
     profile = None
     if not no_probe:
         from hybridllm.config import parse_dtype
-        from hybridllm.placement.probe import probe_machine
+        from hybridllm.planner.engine_probe import probe_machine
 
         # decode bandwidth is measured at this model's matrix shapes, in the host's compute dtype
         profile = probe_machine(threads=threads, quick=True, model_config=cfg,
