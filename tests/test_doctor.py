@@ -24,7 +24,8 @@ from hybridllm.doctor import (
     check_transparent_hugepages,
     run_checks,
 )
-from hybridllm.placement.probe import MachineProfile, measure_disk_read, measure_gpu, probe_machine
+from hybridllm.hardware import MachineProfile, measure_disk_read, measure_gpu
+from hybridllm.planner.engine_probe import probe_machine
 
 STATUSES = {OK, WARN, UNKNOWN}
 CHECK_NAMES = {"vm.swappiness", "transparent hugepages", "NUMA", "locked memory (ulimit -l)", "CPU governor",
@@ -50,13 +51,13 @@ def test_missing_files_give_unknown_not_a_traceback(tmp_path):
 def test_probe_without_meminfo(monkeypatch):
     import psutil
 
-    from hybridllm.placement import probe
+    from hybridllm import hardware
 
     def broken():
         raise FileNotFoundError("/proc/meminfo")
 
     monkeypatch.setattr(psutil, "virtual_memory", broken)
-    assert probe.memory_totals() == (0, 0)
+    assert hardware.memory_totals() == (0, 0)
 
 
 def test_unreadable_and_garbage_files(tmp_path):
@@ -151,7 +152,7 @@ def test_gpu_figures():
 
 
 def test_profile_round_trips_through_json():
-    from hybridllm.placement.plan import load_model_config
+    from hybridllm.planner.inputs import load_model_config
 
     cfg, _, _ = load_model_config(Path(__file__).resolve().parents[1] / "configs" / "mistral-7b.json")
     profile = probe_machine(threads=1, quick=True, model_config=cfg)

@@ -13,26 +13,19 @@ import pytest
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
 from hybridllm.placement.placement import Placement
-from hybridllm.placement.plan import (
+from hybridllm.planner.inputs import hardware_from, load_model_config
+from hybridllm.planner.memory import (
     HOST_RUNTIME_BYTES,
     KV_DTYPES,
     WEIGHT_FORMATS,
-    Candidate,
-    Hardware,
-    PlanError,
-    candidates,
-    device_only_max_context,
-    hardware_from,
     kv_bytes_per_token,
     layer_matrix_params,
-    load_model_config,
     matrix_bytes,
-    plan,
-    predict,
-    prefill_flops,
     scratch_bytes,
     weight_bytes,
 )
+from hybridllm.planner.roofline import Candidate, Hardware, predict, prefill_flops
+from hybridllm.planner.search import PlanError, candidates, device_only_max_context, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MISTRAL_JSON = ROOT / "configs" / "mistral-7b.json"

@@ -18,7 +18,6 @@ from hybridllm.engine.scheduler import (
     SeqEvent,
     admission_decision,
     kv_bytes_needed,
-    kv_capacity,
 )
 from hybridllm.errors import ContextOverflowError
 from hybridllm.kvcache.batch import BatchedCaches
@@ -49,19 +48,6 @@ def test_kv_bytes_needed_rounds_up_to_whole_pages():
     assert kv_bytes_needed(17, 100, 16) == 3200
     with pytest.raises(ValueError):
         kv_bytes_needed(1, 100, 0)
-
-
-def test_kv_capacity_sums_the_tiers_the_strategy_stores_in():
-    budgets = {"device": 1000, "host": 5000}
-    assert kv_capacity("dynamic", budgets) == 1000
-    assert kv_capacity("quantized", budgets) == 1000
-    assert kv_capacity("tiered", budgets) == 6000
-    assert kv_capacity("offloaded", budgets) == 5000
-    assert kv_capacity("host", budgets) == 5000
-    unbounded_device = {"device": None, "host": 5000}
-    assert kv_capacity("dynamic", unbounded_device) is None
-    assert kv_capacity("tiered", unbounded_device) is None
-    assert kv_capacity("host", unbounded_device) == 5000
 
 
 def test_admission_decision_admits_waits_or_rejects():

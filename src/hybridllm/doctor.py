@@ -18,6 +18,8 @@ from typing import Any
 
 from hybridllm.units import format_bytes
 
+from hybridllm.hardware import cgroup_memory_limit, numa_nodes
+
 OK, WARN, UNKNOWN = "ok", "warn", "unknown"
 SWAPPINESS_MAX = 10
 
@@ -37,21 +39,6 @@ def _read(root: Path, rel: str) -> str | None:
         return (root / rel).read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def _parse_cpulist(text: str) -> set[int]:
-    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.update(range(int(lo), int(hi) + 1))
-        else:
-            cpus.add(int(part))
-    return cpus
 
 
 # ---- the checks ---------------------------------------------------------------------------
@@ -95,23 +82,6 @@ def check_transparent_hugepages(root: Path = Path("/")) -> Check:
                      "for its large CPU buffers")
     return Check("transparent hugepages", WARN, mode, "run `echo madvise > /sys/kernel/mm/transparent_hugepage/"
                  "enabled` (and THP_MEM_ALLOC_ENABLE=1): 4 KiB pages cost TLB misses when streaming GBs of weights")
-
-
-def numa_nodes(root: Path = Path("/")) -> dict[int, set[int]] | None:
-    """NUMA node -> its CPUs, or None when sysfs does not say."""
-    base = root / "sys/devices/system/node"
-    try:
-        names = [p.name for p in base.iterdir() if re.fullmatch(r"node\d+", p.name)]
-    except OSError:
-        return None
-    nodes: dict[int, set[int]] = {}
-    for name in names:
-        text = _read(root, f"sys/devices/system/node/{name}/cpulist")
-        try:
-            nodes[int(name[4:])] = _parse_cpulist(text) if text else set()
-        except ValueError:
-            nodes[int(name[4:])] = set()
-    return nodes or None
 
 
 def check_numa(root: Path = Path("/"), gpu_node: int | None = None, has_gpu: bool = False,
@@ -183,8 +153,6 @@ def check_cpu_governor(root: Path = Path("/")) -> Check:
 
 
 def check_cgroup_memory(root: Path = Path("/"), ram_total: int | None = None) -> Check:
-    from hybridllm.placement.probe import cgroup_memory_limit
-
     limit = cgroup_memory_limit(root)
     if limit is None:
         present = any((root / rel).exists() for rel in ("sys/fs/cgroup/memory.max",
@@ -223,7 +191,7 @@ def run_checks(root: Path = Path("/"), gpu_node: int | None = None, has_gpu: boo
 def diagnose(model: Path | None = None, threads: int | None = None, quick: bool = False,
              root: Path = Path("/")) -> dict[str, Any]:
     """Measure the machine, run the checks, and (with a model) say whether its weights fit."""
-    from hybridllm.placement.probe import probe_machine
+    from hybridllm.planner.engine_probe import probe_machine
 
     model_path, model_info, cfg = _model_file(model)
     profile = probe_machine(threads=threads, model_path=model_path, quick=quick, model_config=cfg)
@@ -242,7 +210,8 @@ def diagnose(model: Path | None = None, threads: int | None = None, quick: bool 
 def _model_file(model: Path | None) -> tuple[Path | None, dict[str, Any] | None, Any]:
     """The file whose read speed to measure, what we know about the model, and its config."""
     from hybridllm.errors import HybridLLMError
-    from hybridllm.placement.plan import load_model_config, weights_bytes_by_format
+    from hybridllm.planner.inputs import load_model_config
+    from hybridllm.planner.memory import weights_bytes_by_format
 
     try:
         if model is None:
@@ -281,7 +250,9 @@ def print_report(report: dict[str, Any]) -> None:
     def gbs(x: float | None) -> str:
         return "-" if x is None else f"{x:.1f} GB/s"
 
-    meas.add_row("CPU", f"{p['cpu_model']}, {p['logical_cpus']} logical CPUs, measured with {p['threads']} threads")
+    flags = f" ({' '.join(p['cpu_flags'])})" if p.get("cpu_flags") else ""
+    meas.add_row("CPU", f"{p['cpu_model']}{flags}, {p['logical_cpus']} logical CPUs, measured with {p['threads']} "
+                 "threads")
     meas.add_row("RAM", f"{format_bytes(p['ram_total_bytes'])} total, {format_bytes(p['ram_available_bytes'])} "
                  "available" + (f", container limit {format_bytes(p['cgroup_memory_limit_bytes'])}"
                                 if p["cgroup_memory_limit_bytes"] else ""))

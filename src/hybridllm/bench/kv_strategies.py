@@ -24,6 +24,7 @@ from hybridllm.bench import report
 from hybridllm.bench.sweep import BenchConfig, build_grid
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
+from hybridllm.units import format_bytes
 
 # name -> (strategy, its knobs); the knobs not named keep their defaults.
 KV_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -122,8 +123,8 @@ def records(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
         out.append([
             report.fmt_context(row["context"]), row["model"], variant_name(row["kv_cache"], row.get("kv_options") or {}),
             report.fmt_rate(row.get("prefill_tps")), report.fmt_rate(row.get("decode_tps")),
-            report.fmt_bytes(kv.get("device")), report.fmt_bytes(kv.get("host")),
-            report.fmt_bytes(bus.get("h2d")) if ok else "-", report.fmt_bytes(bus.get("d2h")) if ok else "-",
+            format_bytes(kv.get("device")), format_bytes(kv.get("host")),
+            format_bytes(bus.get("h2d")) if ok else "-", format_bytes(bus.get("d2h")) if ok else "-",
             "-" if row.get("kv_pages_moved") is None else str(row["kv_pages_moved"]),
             "ok" if ok else f"{row['status']}: {row.get('error') or ''}",
         ])

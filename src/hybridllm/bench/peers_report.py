@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridllm.bench import report
+from hybridllm.units import format_bytes
 
 HEADING = "## Foundation: decode and prefill vs llama.cpp and transformers (CPU, {threads} threads)"
 ENGINE_ORDER = {"hybridllm": 0, "llama.cpp": 1, "transformers": 2}
@@ -39,7 +40,7 @@ def records(rows: Sequence[dict[str, Any]]) -> tuple[list[list[str]], list[str]]
             ratio,
             report.fmt_seconds(row.get("tpot_p50_s")),
             report.fmt_seconds(row.get("tpot_p99_s")),
-            report.fmt_bytes(row.get("peak_host_bytes")),
+            format_bytes(row.get("peak_host_bytes")),
             status,
         ])
     return out, notes

@@ -71,8 +71,8 @@ def measure_planner_accuracy(contexts: Sequence[int], new_tokens: int, threads: 
     """
     from hybridllm.config import SamplingParams
     from hybridllm.llm import LLM
-    from hybridllm.placement.plan import hardware_from, load_model_config, plan, predicted_for_run
-    from hybridllm.placement.probe import probe_machine
+    from hybridllm.planner import hardware_from, load_model_config, plan, predicted_for_run
+    from hybridllm.planner.engine_probe import probe_machine
 
     torch.set_num_threads(threads)
     cfg, name, _ = load_model_config(None)

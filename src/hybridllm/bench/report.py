@@ -32,25 +32,16 @@ CSV_COLUMNS = (
 
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on: CPU, cores, RAM, GPU, library versions."""
-    import psutil
     import torch
 
     from hybridllm.bench.peers import peer_versions
+    from hybridllm.hardware import cpu_model_name, gpu_available, memory_totals
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "cpu": cpu,
+        "cpu": cpu_model_name(),
         "cores": os.cpu_count(),
-        "ram_bytes": psutil.virtual_memory().total,
-        "gpu": gpu,
+        "ram_bytes": memory_totals()[0],
+        "gpu": torch.cuda.get_device_name(0) if gpu_available() else None,
         "os": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hybridllm.config import KV_STRATEGIES
 from hybridllm.errors import ConfigError
+from hybridllm.kvcache.registry import get_strategy
 
 if TYPE_CHECKING:
     from hybridllm.loading.checkpoint import Checkpoint
@@ -240,8 +240,7 @@ def build_grid(
     (dynamic, offloaded, quantized), or its DynamicCache when none of them maps.
     """
     for name in kv_caches:
-        if name not in KV_STRATEGIES:
-            raise ConfigError(f"unknown KV cache {name!r}; choose one of {', '.join(KV_STRATEGIES)}")
+        get_strategy(name)  # a ConfigError naming the registered strategies
     for name in baselines:
         if name not in BASELINES:
             raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")

@@ -17,9 +17,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
+
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, summarize, synthetic_prompt_ids
 from hybridllm.bench.sweep import ROW_MARKER, BenchConfig, base_row
-from hybridllm.config import ModelConfig
+from hybridllm.config import KVConfig, ModelConfig, parse_dtype
+from hybridllm.hardware import memory_totals
+from hybridllm.kvcache.base import KVSpec
+from hybridllm.kvcache.registry import get_strategy
 from hybridllm.units import format_bytes
 
 WARMUP_PROMPT_TOKENS = 16
@@ -112,19 +117,16 @@ def predicted_host_bytes(config: BenchConfig, model: ModelConfig) -> int | None:
     """
     if config.engine == "llama.cpp" or config.device != "cpu":
         return None
-    element = 4 if config.dtype == "float32" else 2
-    tokens = config.context + config.new_tokens
-    kv = model.kv_bytes_per_token(element) * tokens
-    bits = {"quantized": config.kv_options.get("kv_bits", 8), "tiered": config.kv_options.get("kv_cold_bits", 16)}
-    if config.kv_cache in bits and bits[config.kv_cache] < 16:  # a lower bound: quantized pages only
-        kv *= bits[config.kv_cache] / (8 * element)
-    return int(model.parameter_count() * element + kv)
+    dtype = parse_dtype(config.dtype)
+    spec = KVSpec(n_layers=model.n_layers, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim, dtype=dtype,
+                  device=torch.device("cpu"), max_tokens=model.max_position_embeddings)
+    kv_config = KVConfig(kv_cache=config.kv_cache, **config.kv_options)
+    held = get_strategy(config.kv_cache).memory(kv_config, spec, config.context + config.new_tokens)
+    return int(model.parameter_count() * dtype.itemsize + sum(held.values()))  # every tier is RAM here
 
 
 def _available_host_bytes() -> int:
-    import psutil
-
-    return psutil.virtual_memory().available
+    return memory_totals()[1]
 
 
 def measure(config: BenchConfig) -> dict[str, Any]:
@@ -132,7 +134,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     needed = predicted_host_bytes(config, model_config(config))
     if needed is not None:
         available = _available_host_bytes()
-        if needed * MEMORY_MARGIN > available:
+        if available and needed * MEMORY_MARGIN > available:  # 0: the OS does not say
             return {"status": "oom", "error": f"predicted (not run): needs at least {format_bytes(needed)} of RAM "
                                               f"for weights and KV, {format_bytes(available)} available"}
     start = time.perf_counter()

@@ -173,7 +173,7 @@ def bench(
         report.print_table(report.PAPER_HEADERS, report.paper_records(rows), title="the study's layout")
     bandwidth_gbs = None
     if preset == "speed":
-        from hybridllm.placement.probe import measure_host_bandwidth
+        from hybridllm.hardware import measure_host_bandwidth
 
         bandwidth_gbs = measure_host_bandwidth(threads=threads)["read"]  # after the sweep: nothing else runs
         report.print_speed(rows, bandwidth_gbs)

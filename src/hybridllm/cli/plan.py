@@ -1,4 +1,4 @@
-"""``hybridllm plan``: the planner on the command line (the arithmetic lives in ``hybridllm.placement.plan``)."""
+"""``hybridllm plan``: the planner on the command line (the arithmetic lives in ``hybridllm.planner``)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def plan(
 ) -> None:
     """Choose where weights and KV live for a model on this machine (or given budgets), and predict TTFT and TPS."""
     from hybridllm.errors import ConfigError
-    from hybridllm.placement import plan as planner
+    from hybridllm import planner
 
     cfg, name, has_weights = planner.load_model_config(model)
     vram_bytes, ram_bytes = parse_bytes(vram), parse_bytes(ram)
@@ -52,7 +52,7 @@ def plan(
     profile = None
     if not no_probe:
         from hybridllm.config import parse_dtype
-        from hybridllm.placement.probe import probe_machine
+        from hybridllm.planner.engine_probe import probe_machine
 
         # decode bandwidth is measured at this model's matrix shapes, in the host's compute dtype
         profile = probe_machine(threads=threads, quick=True, model_config=cfg,
@@ -88,7 +88,7 @@ def _apply(result: Any, cfg: Any, model: Path | None, prompt: str, max_tokens: i
     """Run ``generate`` with the plan's placement; print predicted next to measured figures."""
     from hybridllm.config import SamplingParams
     from hybridllm.llm import LLM
-    from hybridllm.placement.plan import predicted_for_run
+    from hybridllm.planner.search import predicted_for_run
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm = LLM(model=model, placement=result.placement, threads=threads, dtype=result.compute_dtype,
@@ -129,7 +129,7 @@ def print_plan(result: Any, cfg: Any) -> None:
     """The plan as one table: model numbers, machine, placement, prediction, reason."""
     from rich.table import Table
 
-    from hybridllm.placement.plan import GB
+    from hybridllm.planner.memory import GB
 
     hw, src = result.hardware, result.sources
     pred = result.prediction

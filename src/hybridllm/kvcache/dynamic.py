@@ -10,6 +10,7 @@ import torch
 
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.kvcache.base import InPlaceSlot, KVCache, KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes
 
 DEFAULT_PAGE_SIZE = 128
 
@@ -128,3 +129,19 @@ class DynamicCache(KVCache):
             if self._k[layer_idx] is not None:
                 self.ledger.free(self.tier, tensor_bytes(self._k[layer_idx], self._v[layer_idx]))
             self._k[layer_idx] = self._v[layer_idx] = None
+
+
+def dense_cost(tier: str, spec: KVSpec, n_tokens: int) -> KVCost:
+    """Every layer's tokens in the compute dtype on one tier, read once per decode step."""
+    held = spec.n_layers * n_tokens * dense_token_bytes(spec)
+    return KVCost(memory={tier: held}, read={tier: held})
+
+
+STRATEGY = KVStrategy(
+    name="dynamic",
+    tiers=("device",),
+    build=lambda config, spec, ledger: DynamicCache(spec, ledger, page_size=config.kv_page_size),
+    token_bytes=lambda config, spec: {"device": spec.n_layers * dense_token_bytes(spec)},
+    cost=lambda config, spec, n_tokens, query_bytes: dense_cost("device", spec, n_tokens),
+    describe=lambda config: "dynamic KV",
+)

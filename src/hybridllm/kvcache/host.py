@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
 from hybridllm.kvcache.storage import DenseKV
+from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes
 
 DEFAULT_PAGE_SIZE = 128
 
@@ -77,3 +79,23 @@ class HostCache(HostResidentCache):
         out = causal_attention(q_host, keys, values, query_start=past)
         self._count_bus("h2d", tensor_bytes(out))
         return out.to(q.device)
+
+
+def _host_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: float) -> KVCost:
+    """All KV read on the host; per layer q crosses there, the output and its LSE come back, and the
+    new token's K/V is written to host RAM."""
+    held = spec.n_layers * n_tokens * dense_token_bytes(spec)
+    return KVCost(memory={"host": held}, read={"host": held},
+                  bus=spec.n_layers * (query_bytes + dense_token_bytes(spec)), round_trips=spec.n_layers,
+                  prefill_bus=held)
+
+
+STRATEGY = KVStrategy(
+    name="host",
+    tiers=("host",),
+    build=lambda config, spec, ledger: HostCache(spec, ledger, page_size=config.kv_page_size),
+    token_bytes=lambda config, spec: {"host": spec.n_layers * dense_token_bytes(spec)},
+    cost=_host_cost,
+    describe=lambda config: "KV and attention on the host",
+    moving_parts=3,
+)

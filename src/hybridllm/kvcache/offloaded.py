@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.kvcache.base import KVSpec, MemoryLedger, tensor_bytes
 from hybridllm.kvcache.host import DEFAULT_PAGE_SIZE, HostResidentCache
 from hybridllm.kvcache.storage import DenseKV
+from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes
 
 
 class OffloadedCache(HostResidentCache):
@@ -99,3 +101,25 @@ class OffloadedCache(HostResidentCache):
         self._staged, self._events = [None, None], [None, None]
         for slot in self._slots:  # restaged on the next attend anyway
             slot.release()
+
+
+def _offloaded_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: float) -> KVCost:
+    """Everything in host RAM plus two device staging slots of one layer; each decode step streams
+    every layer's KV to the device and writes its new token back."""
+    layer = n_tokens * dense_token_bytes(spec)
+    return KVCost(memory={"host": spec.n_layers * layer, "device": 2 * layer if spec.n_layers else 0},
+                  read={"device": spec.n_layers * layer},
+                  bus=spec.n_layers * (layer + dense_token_bytes(spec)), round_trips=spec.n_layers,
+                  prefill_bus=spec.n_layers * layer)
+
+
+STRATEGY = KVStrategy(
+    name="offloaded",
+    tiers=("host",),  # the staging slots are transient: admission counts the host copy
+    build=lambda config, spec, ledger: OffloadedCache(spec, ledger, page_size=config.kv_page_size),
+    token_bytes=lambda config, spec: {"host": spec.n_layers * dense_token_bytes(spec),
+                                      "device": 2 * dense_token_bytes(spec)},
+    cost=_offloaded_cost,
+    describe=lambda config: "offloaded KV (in RAM, streamed per layer)",
+    moving_parts=3,
+)

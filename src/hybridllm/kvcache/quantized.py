@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from hybridllm.config import KVConfig
 from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.storage import DenseKV, QuantizedKV
+from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes
 
 DEFAULT_CHUNK_TOKENS = 1024  # packed tokens per attention chunk: its float scratch stays in cache
 
@@ -117,3 +119,31 @@ class QuantizedCache(KVCache):
                 packed.trim()
                 recent.truncate(0)
                 recent.append(back_k, back_v)
+
+
+def _quantized_token_bytes(config: KVConfig, spec: KVSpec) -> dict[str, float]:
+    return {"device": spec.n_layers * quantized_token_bytes(spec, config.kv_bits, config.kv_group_size)}
+
+
+def _quantized_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: float) -> KVCost:
+    """The newest ``kv_residual`` tokens in the compute dtype, the rest packed; the packed part is
+    counted as read through a compute-dtype copy of one layer at a time (the scratch)."""
+    full = dense_token_bytes(spec)
+    packed = quantized_token_bytes(spec, config.kv_bits, config.kv_group_size)
+    residual = min(n_tokens, config.kv_residual)
+    layer = residual * full + (n_tokens - residual) * packed
+    layer_read = residual * full + read_bytes(n_tokens - residual, packed, full)
+    return KVCost(memory={"device": spec.n_layers * layer}, read={"device": spec.n_layers * layer_read},
+                  scratch={"device": n_tokens * full if spec.n_layers else 0})
+
+
+STRATEGY = KVStrategy(
+    name="quantized",
+    tiers=("device",),
+    build=lambda config, spec, ledger: QuantizedCache(spec, ledger, bits=config.kv_bits,
+                                                      group_size=config.kv_group_size, residual=config.kv_residual),
+    token_bytes=_quantized_token_bytes,
+    cost=_quantized_cost,
+    describe=lambda config: f"quantized int{config.kv_bits} KV",
+    moving_parts=1,
+)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
@@ -33,6 +34,7 @@ from hybridllm.kvcache.paging import (
 )
 from hybridllm.kvcache.quantize import token_group
 from hybridllm.kvcache.storage import DenseKV, QuantizedKV, TokenStore
+from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes
 
 
 class TieredCache(KVCache):
@@ -202,3 +204,57 @@ class TieredCache(KVCache):
                 self.pages_moved += 1
             cold.trim()
             hot.trim()
+
+
+def _cold_token_bytes(config: KVConfig, spec: KVSpec) -> float:
+    """Bytes of one cold token of one layer: compute dtype, or group-wise quantized pages."""
+    if config.kv_cold_bits == 16:
+        return dense_token_bytes(spec)
+    return quantized_token_bytes(spec, config.kv_cold_bits, token_group(config.kv_page_size, config.kv_group_size))
+
+
+def _tiered_token_bytes(config: KVConfig, spec: KVSpec) -> dict[str, float]:
+    host_share = 1.0 if config.kv_offload_percent is None else config.kv_offload_percent / 100
+    return {"device": spec.n_layers * dense_token_bytes(spec) * (1 - host_share),
+            "host": spec.n_layers * _cold_token_bytes(config, spec) * host_share}
+
+
+def _tiered_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: float) -> KVCost:
+    """Sinks and the hot window (or the device share) on the device, the rest cold on the host;
+    per layer q crosses to the host, the cold part's output and LSE come back, and one token is
+    evicted per step."""
+    full, cold_token = dense_token_bytes(spec), _cold_token_bytes(config, spec)
+    if config.kv_offload_percent is None:
+        hot = min(n_tokens, config.kv_sink_tokens + config.kv_hot_window)
+    else:
+        hot = n_tokens * (1 - config.kv_offload_percent / 100)
+    cold = n_tokens - hot
+    layers = spec.n_layers
+    return KVCost(
+        memory={"device": layers * hot * full, "host": layers * cold * cold_token},
+        read={"device": layers * hot * full, "host": layers * read_bytes(cold, cold_token, full)},
+        scratch={"host": cold * full if layers and cold_token != full else 0},
+        bus=layers * (query_bytes + full),
+        round_trips=layers,
+        prefill_bus=layers * full * cold,
+    )
+
+
+STRATEGY = KVStrategy(
+    name="tiered",
+    tiers=("device", "host"),
+    build=lambda config, spec, ledger: TieredCache(
+        spec, ledger,
+        page_size=config.kv_page_size,
+        hot_window=config.kv_hot_window,
+        sink_tokens=config.kv_sink_tokens,
+        cold_bits=config.kv_cold_bits,
+        group_size=config.kv_group_size,
+        offload_percent=config.kv_offload_percent,
+    ),
+    token_bytes=_tiered_token_bytes,
+    cost=_tiered_cost,
+    describe=lambda config: (f"tiered KV (hot window {config.kv_hot_window} tokens on the device, cold pages "
+                             f"{config.kv_cold_bits}-bit in RAM)"),
+    moving_parts=2,
+)

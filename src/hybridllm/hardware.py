@@ -1,51 +1,39 @@
-"""Measure the machine the planner plans for: bandwidths, FLOP rates, per-layer overheads, memory.
+"""The machine: what it has and how fast it is, measured once per call, shared by ``doctor``, the
+planner and the benchmark.
 
-Every measurement is one small function that returns plain numbers (or None when it cannot be
-taken here, e.g. CUDA figures on a machine without a GPU), and :func:`probe_machine` gathers them
-into a :class:`MachineProfile`. Nothing is cached globally: each call measures again, because a
-busy machine (other processes, thermal state) changes the figures.
+Every probe is one small function that returns plain numbers (or None when it cannot be taken
+here, e.g. CUDA figures on a machine without a GPU). Nothing is cached globally: each call
+measures again, because a busy machine (other processes, thermal state) changes the figures.
+The engine's own figures at a model's shapes (decode bandwidth, per-layer overhead) are measured
+by :mod:`hybridllm.planner.engine_probe`, which completes a :class:`MachineProfile`.
 
 What is measured, and how:
 
+- facts: the CPU's model name and instruction-set extensions (/proc/cpuinfo), logical CPUs and
+  the threads PyTorch uses, RAM total and available (psutil), the container's cgroup memory
+  limit, the NUMA nodes and their CPUs (sysfs), the GPU's name, memory and NUMA node.
 - host memory bandwidth: the best of a few repeats of (a) a reduction (``sum``) over a large
   float32 tensor (read bandwidth), (b) a tensor copy (read + write, both counted), and (c) a
   matrix-vector product over a large float32 matrix (``W @ x``). Decode is a chain of
-  matrix-vector products, so (c), ``host_gemv_gbs``, is the figure the planner uses for bytes
-  read on the host; (a) and (b) are reported for comparison. The tensors are larger than any
-  last-level cache and use the thread count the engine will use.
-- decode bandwidth at a model's shapes (when the probe is given a ``ModelConfig``): the same
-  single-token ``F.linear`` chain the decoder runs, over distinct matrices of the model's layer
-  shapes (cycled until the chain is larger than the caches) and of its output head. A CPU's
-  matrix-vector kernels stream memory at a rate that depends on the row length (on the 2-core
-  EPYC this project is measured on: about 12 GB/s for 576-wide rows, 16 for 1536, 21 for 4096,
-  whatever the row count), so this figure, ``model_gemv_gbs``, is what the planner uses when
-  present; the generic figures are a fallback.
-- host FLOP rate: a square float32 matmul (1024^3 multiply-adds), best of a few repeats; given
-  a model, also the rate of a 512-token prefill chunk through its layers' matrices, which the
-  planner prefers.
-- per-layer and per-token overhead: the fixed cost of one decode step that does not scale with
-  bytes (Python, op dispatch, thread wake-ups, kernel launches). It is measured by running the
-  project's own decoder (``LlamaForCausalLM``) with tiny dimensions, so its bytes and FLOPs are
-  negligible, with 2 and 8 layers, one token per step against a ``DynamicCache``:
-  ``per_layer = (t8 - t2) / 6`` and ``per_token = t2 - 2 * per_layer`` (embedding, rotary
-  tables, final norm, head dispatch, the logits' copy to the host).
+  matrix-vector products, so (c), ``host_gemv_gbs``, is the generic figure the planner uses for
+  bytes read on the host; (a) and (b) are reported for comparison. The tensors are larger than
+  any last-level cache and use the thread count the engine will use.
+- host FLOP rate: a square float32 matmul (1024^3 multiply-adds), best of a few repeats.
 - GPU (only when ``torch.cuda.is_available()``): device memory bandwidth (device-to-device copy,
   read + write counted, timed with CUDA events), host->device and device->host bandwidth with
-  pinned and pageable host buffers, an fp16 matmul FLOP rate, the per-layer overhead on the
-  device (as above, on CUDA), total and free VRAM, and the GPU's NUMA node.
+  pinned and pageable host buffers (PCIe), an fp16 matmul FLOP rate, total and free VRAM.
 - disk: sequential read speed of a model file, read with ``O_DIRECT`` (bypassing the page
   cache); where the file system refuses ``O_DIRECT`` (tmpfs, some overlay file systems) the
   file's cached pages are dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` first, and where
   that is unavailable too the read is buffered and the profile says it may come from the cache.
-- RAM total and available (psutil), and the container's cgroup memory limit when there is one.
 """
-
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
 import platform
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -123,6 +111,7 @@ class MachineProfile:
     notes: list[str] = field(default_factory=list)
     model_gemv_gbs: float | None = None  # decode bandwidth at a model's matrix shapes
     model_gemv_detail: dict[str, Any] | None = None  # layers / head figures, prefill FLOP rate, dtype, model
+    cpu_flags: list[str] = field(default_factory=list)  # instruction-set extensions (avx2, avx512f, ...)
 
     @property
     def model_flops(self) -> float | None:
@@ -176,7 +165,7 @@ def torch_threads(threads: int | None) -> Iterator[int]:
         torch.set_num_threads(previous)
 
 
-def _best_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+def best_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
     """Shortest wall time of ``fn`` over ``repeats`` runs after one warm-up run.
 
     The shortest run is the machine's capability; a transient burst of other work only
@@ -230,6 +219,55 @@ def memory_totals() -> tuple[int, int]:
     return int(vm.total), int(vm.available)
 
 
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set extensions that decode kernels care about (from /proc/cpuinfo)."""
+    wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_bf16", "neon", "asimd", "sve")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("flags", "features")):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in wanted if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            cpus.update(range(int(lo), int(hi) + 1))
+        else:
+            cpus.add(int(part))
+    return cpus
+
+
+def numa_nodes(root: Path = Path("/")) -> dict[int, set[int]] | None:
+    """NUMA node -> its CPUs, or None when sysfs does not say."""
+    base = root / "sys/devices/system/node"
+    try:
+        names = [p.name for p in base.iterdir() if re.fullmatch(r"node\d+", p.name)]
+    except OSError:
+        return None
+    nodes: dict[int, set[int]] = {}
+    for name in names:
+        try:
+            text = (base / name / "cpulist").read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            text = ""
+        try:
+            nodes[int(name[4:])] = parse_cpulist(text) if text else set()
+        except ValueError:
+            nodes[int(name[4:])] = set()
+    return nodes or None
+
 # ---- host measurements ----------------------------------------------------------------------
 def measure_host_bandwidth(nbytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 5,
                            threads: int | None = None) -> dict[str, float]:
@@ -240,12 +278,12 @@ def measure_host_bandwidth(nbytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int =
     """
     with torch_threads(threads):
         src = torch.ones(nbytes // 4, dtype=torch.float32)
-        read_s = _best_time(lambda: src.sum(), repeats)
+        read_s = best_time(lambda: src.sum(), repeats)
         copy_s = _copy_time(src, repeats)
         cols = 4096
         matrix = src[: (src.numel() // cols) * cols].view(-1, cols)  # (rows, cols)
         vector = torch.ones(cols, 1)
-        gemv_s = _best_time(lambda: torch.mm(matrix, vector), repeats)
+        gemv_s = best_time(lambda: torch.mm(matrix, vector), repeats)
     return {
         "read": nbytes / read_s / GB,
         "copy": 2 * nbytes / copy_s / GB,
@@ -255,114 +293,7 @@ def measure_host_bandwidth(nbytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int =
 
 def _copy_time(src: torch.Tensor, repeats: int) -> float:
     dst = torch.empty_like(src)  # freed on return
-    return _best_time(lambda: dst.copy_(src), repeats)
-
-
-def _native_products(matrices: list[torch.Tensor], vectors: dict[int, torch.Tensor]) -> Callable[[], None] | None:
-    """One native single-row product per matrix (the decode kernels' float32 path), or None when
-    the kernels cannot be built."""
-    import ctypes
-
-    from hybridllm.kernels import native
-
-    try:
-        library = native.kernels()
-    except native.KernelBuildError:
-        return None
-    out = torch.empty(max(m.shape[0] for m in matrices))
-    calls = [(native.float32_view(m), vectors[m.shape[1]].data_ptr()) for m in matrices]
-    threads = torch.get_num_threads()
-
-    def run() -> None:
-        for view, x in calls:
-            library.hl_linear(ctypes.byref(view.struct), x, out.data_ptr(), 1, threads)
-
-    return run
-
-
-def measure_matvec_bandwidth(shapes: list[tuple[int, int]], dtype: torch.dtype = torch.float32,
-                             device: torch.device | str = "cpu", threads: int | None = None,
-                             min_bytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 3) -> float:
-    """GB/s of single-token products over distinct matrices of ``shapes`` (rows, cols).
-
-    The shapes are cycled until the matrices hold ``min_bytes`` (more than any cache). A matrix
-    larger than ``min_bytes / len(shapes)`` keeps its row length and loses rows, so that every
-    shape takes part: the rate depends on the row length, not on the row count. The product is
-    the one the engine's decode step runs: the native kernels' (``hl_linear``) for float32 on the
-    CPU when they can be built, else ``F.linear``.
-    """
-    import torch.nn.functional as F
-
-    device = torch.device(device)
-    element = torch.empty((), dtype=dtype).element_size()
-    with torch_threads(threads if device.type == "cpu" else None):
-        matrices: list[torch.Tensor] = []
-        total = 0
-        while total < min_bytes and len(matrices) < 100_000:
-            rows, cols = shapes[len(matrices) % len(shapes)]
-            rows = max(1, min(rows, min_bytes // len(shapes) // (cols * element)))
-            matrices.append(torch.full((rows, cols), 1e-3, dtype=dtype, device=device))
-            total += rows * cols * element
-        vectors = {cols: torch.full((1, 1, cols), 1e-3, dtype=dtype, device=device) for _, cols in shapes}
-        native = _native_products(matrices, vectors) if device.type == "cpu" and dtype == torch.float32 else None
-
-        def run() -> None:
-            if native is not None:
-                native()
-                return
-            for matrix in matrices:
-                F.linear(vectors[matrix.shape[1]], matrix)  # (1, 1, rows): one decode token
-
-        seconds = _cuda_time(run, repeats, device) if device.type == "cuda" else _best_time(run, repeats)
-    return total / seconds / GB
-
-
-def measure_matmul_flops_at(shapes: list[tuple[int, int]], tokens: int = 512, dtype: torch.dtype = torch.float32,
-                            device: torch.device | str = "cpu", threads: int | None = None,
-                            max_bytes: int = QUICK_BANDWIDTH_BYTES, repeats: int = 3) -> float:
-    """FLOP/s of ``F.linear`` of ``tokens`` rows through matrices of ``shapes``: a prefill chunk.
-
-    Each matrix keeps its row length and at most ``max_bytes / len(shapes)`` bytes.
-    """
-    import torch.nn.functional as F
-
-    device = torch.device(device)
-    element = torch.empty((), dtype=dtype).element_size()
-    with torch_threads(threads if device.type == "cpu" else None):
-        matrices = []
-        for rows, cols in shapes:
-            rows = max(1, min(rows, max_bytes // len(shapes) // (cols * element)))
-            matrices.append(torch.full((rows, cols), 1e-3, dtype=dtype, device=device))
-        inputs = {cols: torch.full((tokens, cols), 1e-3, dtype=dtype, device=device) for _, cols in shapes}
-        flops = sum(2 * tokens * m.shape[0] * m.shape[1] for m in matrices)
-
-        def run() -> None:
-            for matrix in matrices:
-                F.linear(inputs[matrix.shape[1]], matrix)  # (tokens, rows)
-
-        seconds = _cuda_time(run, repeats, device) if device.type == "cuda" else _best_time(run, repeats)
-    return flops / seconds
-
-
-def measure_model_decode_bandwidth(config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                                   threads: int | None = None, min_bytes: int = DEFAULT_BANDWIDTH_BYTES,
-                                   repeats: int = 3) -> dict[str, float]:
-    """Decode bandwidth at ``config``'s shapes: its layers' matrices and its head, combined in the
-    proportion one decode step reads them (GB/s; keys ``layers``, ``head``, ``effective``), and
-    the FLOP rate of a 512-token prefill chunk through its layers' matrices (``prefill_flops``)."""
-    from hybridllm.placement.plan import layer_matrix_shapes
-
-    shapes = layer_matrix_shapes(config)
-    layers = measure_matvec_bandwidth(shapes, dtype, device, threads, min_bytes, repeats)
-    head_shape = (config.vocab_size, config.hidden_size)
-    head = measure_matvec_bandwidth([head_shape], dtype, device, threads, min(min_bytes, config.vocab_size
-                                    * config.hidden_size * torch.empty((), dtype=dtype).element_size()), repeats)
-    layer_bytes = config.n_layers * sum(r * c for r, c in shapes)
-    head_bytes = head_shape[0] * head_shape[1]
-    effective = (layer_bytes + head_bytes) / (layer_bytes / layers + head_bytes / head)
-    flops = measure_matmul_flops_at(shapes, 512, dtype, device, threads, min(min_bytes, QUICK_BANDWIDTH_BYTES),
-                                    repeats)
-    return {"layers": layers, "head": head, "effective": effective, "prefill_flops": flops}
+    return best_time(lambda: dst.copy_(src), repeats)
 
 
 def measure_host_flops(size: int = 1024, repeats: int = 5, threads: int | None = None,
@@ -371,55 +302,9 @@ def measure_host_flops(size: int = 1024, repeats: int = 5, threads: int | None =
     with torch_threads(threads):
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
-        seconds = _best_time(lambda: a @ b, repeats)
+        seconds = best_time(lambda: a @ b, repeats)
     return 2 * size**3 / seconds
 
-
-def _tiny_decoder(n_layers: int, device: torch.device, dtype: torch.dtype):
-    """A tiny Llama-family model and a fresh cache factory: bytes and FLOPs are negligible."""
-    from hybridllm.config import ModelConfig
-    from hybridllm.kvcache.base import KVSpec
-    from hybridllm.kvcache.dynamic import DynamicCache
-    from hybridllm.models.layers import RotaryEmbedding
-    from hybridllm.models.llama import LlamaForCausalLM
-
-    config = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128, n_layers=n_layers,
-                         n_heads=4, n_kv_heads=2, head_dim=16, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
-    model.rotary = RotaryEmbedding(config)
-    spec = KVSpec(n_layers=n_layers, n_kv_heads=2, head_dim=16, dtype=dtype, device=device, max_tokens=4096)
-    return model, lambda: DynamicCache(spec)
-
-
-def _decode_step_time(n_layers: int, device: torch.device, dtype: torch.dtype, steps: int, repeats: int) -> float:
-    """Seconds of one single-token decode step of a tiny model with ``n_layers`` layers, with the
-    speed transforms ``LLM`` applies by default (fused projections, native decode on the CPU)."""
-    from hybridllm.engine.speed import apply_speed_transforms
-
-    model, new_cache = _tiny_decoder(n_layers, device, dtype)
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    token = torch.tensor([[1]], device=device)
-
-    def run() -> None:
-        cache = new_cache()
-        cache.reserve(steps + 1)
-        for _ in range(steps):
-            model(token, cache, start_pos=cache.seq_length).cpu()  # .cpu(): the generator's sync point
-
-    with torch.inference_mode():
-        return _best_time(run, repeats) / steps
-
-
-def measure_layer_overhead(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                           threads: int | None = None, steps: int = 32, repeats: int = 5) -> tuple[float, float]:
-    """(per-layer, per-token) fixed seconds of a decode step on ``device`` (see the module doc)."""
-    device = torch.device(device)
-    with torch_threads(threads):
-        t2 = _decode_step_time(2, device, dtype, steps, repeats)
-        t8 = _decode_step_time(8, device, dtype, steps, repeats)
-    per_layer = max(0.0, (t8 - t2) / 6)
-    per_token = max(0.0, t2 - 2 * per_layer)
-    return per_layer, per_token
 
 
 # ---- GPU measurements ------------------------------------------------------------------------
@@ -427,7 +312,7 @@ def gpu_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
-def _cuda_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+def cuda_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
     """Shortest seconds of ``fn`` timed with CUDA events (after one warm-up)."""
     fn()
     torch.cuda.synchronize(device)
@@ -463,12 +348,12 @@ def _pci_bus_id(props: Any) -> str | None:
     return f"{int(domain or 0):04x}:{int(bus):02x}:{int(dev):02x}.0"
 
 
-def measure_gpu(index: int = 0, nbytes: int = 512 * 2**20, repeats: int = 5,
-                overhead: bool = True, model_config: Any = None) -> GPUProfile | None:
+def measure_gpu(index: int = 0, nbytes: int = 512 * 2**20, repeats: int = 5) -> GPUProfile | None:
     """Figures of CUDA device ``index``; None when there is no GPU.
 
     Transfer sizes shrink to a quarter of the free VRAM when that is smaller than ``nbytes``.
-    With ``model_config``, also the fp16 decode bandwidth at that model's matrix shapes.
+    The engine's figures on it (decode bandwidth at a model's shapes, per-layer overhead) are
+    :mod:`hybridllm.planner.engine_probe`'s.
     """
     if not gpu_available():
         return None
@@ -484,12 +369,6 @@ def measure_gpu(index: int = 0, nbytes: int = 512 * 2**20, repeats: int = 5,
     for key, seconds in transfers.items():
         setattr(profile, f"{key}_gbs", size / seconds / GB)
     profile.flops = _cuda_matmul_flops(device, repeats)
-    if model_config is not None:
-        detail = measure_model_decode_bandwidth(model_config, torch.float16, device,
-                                                min_bytes=min(nbytes, free // 4), repeats=repeats)
-        profile.model_gemv_gbs, profile.model_flops = detail["effective"], detail["prefill_flops"]
-    if overhead:
-        profile.layer_overhead_s, profile.token_overhead_s = measure_layer_overhead(device, torch.float16)
     torch.cuda.empty_cache()
     return profile
 
@@ -498,7 +377,7 @@ def _cuda_copy_time(device: torch.device, size: int, repeats: int) -> float:
     """Seconds of a device-to-device copy of ``size`` bytes (buffers freed on return)."""
     src = torch.empty(size // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    return _cuda_time(lambda: dst.copy_(src), repeats, device)
+    return cuda_time(lambda: dst.copy_(src), repeats, device)
 
 
 def _cuda_transfer_times(device: torch.device, size: int, repeats: int) -> dict[str, float]:
@@ -507,15 +386,15 @@ def _cuda_transfer_times(device: torch.device, size: int, repeats: int) -> dict[
     on_device = torch.empty(n, dtype=torch.float32, device=device)
     pageable = torch.empty(n, dtype=torch.float32)
     out = {
-        "h2d_pageable": _cuda_time(lambda: on_device.copy_(pageable), repeats, device),
-        "d2h_pageable": _cuda_time(lambda: pageable.copy_(on_device), repeats, device),
+        "h2d_pageable": cuda_time(lambda: on_device.copy_(pageable), repeats, device),
+        "d2h_pageable": cuda_time(lambda: pageable.copy_(on_device), repeats, device),
     }
     try:
         pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
     except RuntimeError:  # pinning can fail (locked-memory limits): the pinned figures stay None
         return out
-    out["h2d_pinned"] = _cuda_time(lambda: on_device.copy_(pinned, non_blocking=True), repeats, device)
-    out["d2h_pinned"] = _cuda_time(lambda: pinned.copy_(on_device, non_blocking=True), repeats, device)
+    out["h2d_pinned"] = cuda_time(lambda: on_device.copy_(pinned, non_blocking=True), repeats, device)
+    out["d2h_pinned"] = cuda_time(lambda: pinned.copy_(on_device, non_blocking=True), repeats, device)
     return out
 
 
@@ -523,7 +402,7 @@ def _cuda_matmul_flops(device: torch.device, repeats: int, m: int = 4096) -> flo
     """FLOP/s of an fp16 ``m x m`` matmul on ``device``."""
     a = torch.randn(m, m, device=device, dtype=torch.float16)
     b = torch.randn(m, m, device=device, dtype=torch.float16)
-    return 2 * m**3 / _cuda_time(lambda: a @ b, repeats, device)
+    return 2 * m**3 / cuda_time(lambda: a @ b, repeats, device)
 
 
 # ---- disk ----------------------------------------------------------------------------------
@@ -595,40 +474,29 @@ def _join(a: str, b: str) -> str:
 
 
 # ---- all together --------------------------------------------------------------------------
-def probe_machine(threads: int | None = None, model_path: str | os.PathLike | None = None,
-                  gpu: bool = True, quick: bool = False, model_config: Any = None,
-                  dtype: torch.dtype = torch.float32) -> MachineProfile:
+def probe_hardware(threads: int | None = None, model_path: str | os.PathLike | None = None, gpu: bool = True,
+                   quick: bool = False) -> MachineProfile:
     """Measure this machine (a few seconds; ``quick`` uses smaller sizes and fewer repeats).
+
+    The engine's figures (per-layer overheads, decode bandwidth at a model's shapes) stay None:
+    :func:`hybridllm.planner.engine_probe.probe_machine` adds them.
 
     Args:
         threads: CPU threads for the host measurements (None: PyTorch's current count).
         model_path: a model file whose read speed to measure (None: no disk measurement).
         gpu: measure CUDA device 0 when one is present.
         quick: smaller tensors and fewer repeats (for tests and ``doctor --quick``).
-        model_config: a ``ModelConfig`` whose matrix shapes to measure decode bandwidth at.
-        dtype: the host's compute dtype for that measurement.
     """
     repeats = 3 if quick else 5
     notes: list[str] = []
     total, available = memory_totals()
     if not total:
         notes.append("RAM total/available unknown (psutil could not read /proc/meminfo): give plan --ram")
-    used_threads = threads or torch.get_num_threads()
     bandwidth = measure_host_bandwidth(QUICK_BANDWIDTH_BYTES if quick else DEFAULT_BANDWIDTH_BYTES, repeats, threads)
-    flops = measure_host_flops(512 if quick else 1024, repeats, threads)
-    layer_s, token_s = measure_layer_overhead("cpu", torch.float32, threads, steps=16 if quick else 32,
-                                              repeats=repeats)
-    model_gemv = model_detail = None
-    if model_config is not None:
-        detail = measure_model_decode_bandwidth(model_config, dtype, "cpu", threads,
-                                                QUICK_BANDWIDTH_BYTES if quick else DEFAULT_BANDWIDTH_BYTES, repeats)
-        model_gemv = detail["effective"]
-        model_detail = {**detail, "dtype": str(dtype).removeprefix("torch."), "model": model_config.name or
-                        model_config.arch}
     gpu_profile = None
     if gpu and gpu_available():
         try:
-            gpu_profile = measure_gpu(0, repeats=repeats, model_config=model_config)
+            gpu_profile = measure_gpu(0, repeats=repeats)
         except RuntimeError as exc:  # a broken driver must not stop the rest of the report
             notes.append(f"GPU measurement failed: {str(exc).splitlines()[0]}")
     elif gpu:
@@ -642,19 +510,18 @@ def probe_machine(threads: int | None = None, model_path: str | os.PathLike | No
     return MachineProfile(
         cpu_model=cpu_model_name(),
         logical_cpus=os.cpu_count() or 1,
-        threads=used_threads,
+        threads=threads or torch.get_num_threads(),
         ram_total_bytes=total,
         ram_available_bytes=available,
         cgroup_memory_limit_bytes=cgroup_memory_limit(),
         host_read_gbs=bandwidth["read"],
         host_copy_gbs=bandwidth["copy"],
         host_gemv_gbs=bandwidth["gemv"],
-        host_flops=flops,
-        host_layer_overhead_s=layer_s,
-        host_token_overhead_s=token_s,
+        host_flops=measure_host_flops(512 if quick else 1024, repeats, threads),
+        host_layer_overhead_s=None,
+        host_token_overhead_s=None,
         gpu=gpu_profile,
         disk=disk,
         notes=notes,
-        model_gemv_gbs=model_gemv,
-        model_gemv_detail=model_detail,
+        cpu_flags=cpu_flags(),
     )

@@ -1,0 +1,95 @@
+"""What a KV strategy declares about itself: tiers, memory model, costs, and how it is built.
+
+Each strategy module (``dynamic``, ``quantized``, ...) ends with one :class:`KVStrategy` value;
+:mod:`~hybridllm.kvcache.registry` lists them. Everything else (the factory, admission, the
+planner, the benchmark) reads these declarations instead of branching on strategy names.
+
+The memory model is plain arithmetic over a :class:`~hybridllm.kvcache.base.KVSpec` and the
+``KVConfig`` knobs: the bytes a cache holds per tier in steady state, without the slack of page
+rounding and doubling growth (a cache reserved for whole pages holds exactly that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hybridllm.config import KVConfig
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.quantize import SCALE_DTYPE, channel_group, packed_size
+
+_SCALE_BYTES = SCALE_DTYPE.itemsize
+
+
+@dataclass(frozen=True)
+class KVCost:
+    """What the KV of one cache costs at ``n`` cached tokens (bytes; the roofline predictor's inputs).
+
+    Attributes:
+        memory: bytes held per tier.
+        scratch: transient bytes per tier while attending (a dequantized copy).
+        read: bytes read per tier by one decode step (every layer's attention).
+        bus: bytes crossing host <-> device per decode step.
+        round_trips: host <-> device synchronisations per decode step.
+        prefill_bus: bytes crossing the bus while a prompt of ``n`` tokens is prefilled.
+    """
+
+    memory: dict[str, float]
+    read: dict[str, float]
+    scratch: dict[str, float] = field(default_factory=dict)
+    bus: float = 0.0
+    round_trips: int = 0
+    prefill_bus: float = 0.0
+
+
+@dataclass(frozen=True)
+class KVStrategy:
+    """One KV strategy's facts, declared once next to its cache class.
+
+    Attributes:
+        name: the ``--kv-cache`` value.
+        tiers: the tiers it stores tokens in; admission bounds it by the budgets of these tiers.
+        build: a fresh, empty cache from the config's knobs, a spec and a ledger.
+        token_bytes: bytes one more cached token adds per tier, for the whole cache (every layer
+            of the spec), once the fixed windows (residual, hot window, sinks) are full.
+        cost: the cache's :class:`KVCost` at ``n`` tokens; ``query_bytes`` is what crosses the
+            bus per layer when attention runs on the other tier (q there, output and LSE back).
+        describe: a few words on the strategy with these knobs (the planner's explanation).
+        moving_parts: how much machinery it adds (quantization, tiers, streaming); the planner
+            prefers fewer on a tie.
+    """
+
+    name: str
+    tiers: tuple[str, ...]
+    build: Callable[[KVConfig, KVSpec, MemoryLedger], KVCache]
+    token_bytes: Callable[[KVConfig, KVSpec], dict[str, float]]
+    cost: Callable[[KVConfig, KVSpec, int, float], KVCost]
+    describe: Callable[[KVConfig], str]
+    moving_parts: int = 0
+
+    def memory(self, config: KVConfig, spec: KVSpec, n_tokens: int) -> dict[str, float]:
+        """Bytes per tier the cache holds at ``n_tokens`` (the memory model)."""
+        return self.cost(config, spec, n_tokens, 0.0).memory
+
+
+# ---- shared pieces of the memory models --------------------------------------------------------
+def dense_token_bytes(spec: KVSpec) -> float:
+    """Bytes of one token of one layer in the compute dtype (K and V)."""
+    return spec.token_bytes()
+
+
+def quantized_token_bytes(spec: KVSpec, bits: int, group: int) -> float:
+    """Bytes of one token of one layer in a :class:`~hybridllm.kvcache.storage.QuantizedKV`:
+    K and V codes, the keys' fp16 scale and zero per channel per ``group`` tokens, and the
+    values' fp16 scale and zero per group of channels."""
+    heads = spec.batch_size * spec.n_kv_heads
+    codes = 2 * packed_size(spec.head_dim, bits)
+    key_scales = 2 * _SCALE_BYTES * spec.head_dim / group
+    value_scales = 2 * _SCALE_BYTES * spec.head_dim // channel_group(spec.head_dim, group)
+    return heads * (codes + key_scales + value_scales)
+
+
+def read_bytes(tokens: float, stored: float, compute: float) -> float:
+    """Bytes to attend over ``tokens`` stored at ``stored`` bytes each: a format other than the
+    compute dtype is counted as materialised into a compute-dtype copy (read, write, read back)."""
+    return tokens * stored if stored == compute else tokens * (stored + 2 * compute)
