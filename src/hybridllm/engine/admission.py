@@ -40,18 +40,9 @@ def admission_decision(need: int, reserved: int, capacity: int | None) -> str:
     return "admit" if reserved + need <= capacity else "wait"
 
 
-# INTERIM: moves to the KV strategy registry
-KV_TIERS_BY_STRATEGY: dict[str, tuple[str, ...]] = {
-    "dynamic": ("device",), "quantized": ("device",), "offloaded": ("host",), "host": ("host",),
-    "tiered": ("device", "host"),
-}
 
-
-def kv_capacity(strategy: str, budgets: dict[str, int | None]) -> int | None:
-    total = 0
-    for tier in KV_TIERS_BY_STRATEGY.get(strategy, ("device", "host")):
-        budget = budgets.get(tier)
-        if budget is None:
-            return None
-        total += budget
-    return total
+def tiers_capacity(tiers: tuple[str, ...], budgets: dict[str, int | None]) -> int | None:
+    """Bytes of KV that ``tiers`` may hold together: the sum of their budgets (None: unbounded)."""
+    if any(budgets.get(tier) is None for tier in tiers):
+        return None
+    return sum(budgets[tier] for tier in tiers)

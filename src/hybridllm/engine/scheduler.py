@@ -48,7 +48,7 @@ from hybridllm.engine.admission import (
     QueueFullError,
     admission_decision,
     kv_bytes_needed,
-    kv_capacity,
+    tiers_capacity,
 )
 from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics
 from hybridllm.engine.output import RequestOutput, check_prompt
@@ -57,6 +57,7 @@ from hybridllm.engine.sequence import SeqEvent, SequenceState
 from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
+from hybridllm.kvcache.registry import admission_tiers
 from hybridllm.timing import synchronize
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ class Scheduler:
         self.adaptive = AdaptivePolicy(runtime.migration) if kv_config.kv_adaptive else None
         budgets = {tier: self.ledger.budget(tier) for tier in TIERS}
         # the adaptive policy can move any sequence's KV to the host: then both tiers bound it
-        self.capacity = kv_capacity("tiered" if self.adaptive else self.kv_strategy, budgets)
+        self.capacity = tiers_capacity(TIERS if self.adaptive else admission_tiers(self.kv_strategy), budgets)
         self.host_memory = HostPeakMemory()
         self._cond = threading.Condition()
         self._waiting: collections.deque[SequenceState] = collections.deque()
