@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hybridllm.config import parse_dtype
+from hybridllm.config import ModelConfig, parse_dtype
 from hybridllm.errors import ConfigError
 from hybridllm.loading.hf_config import read_config, read_hf_config
 from hybridllm.models.llama import LlamaForCausalLM
@@ -87,12 +87,26 @@ class RandomCheckpoint:
     file_format = "random"
 
     def __init__(self, config_path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, seed: int = 0) -> None:
-        self.path = Path(config_path).expanduser()
-        self.raw_config = read_hf_config(self.path)
-        self.config = read_config(self.path)
+        path = Path(config_path).expanduser()
+        raw = read_hf_config(path)
+        self._setup(path, read_config(path), raw, float(raw.get("initializer_range", 0.02)), dtype, seed)
+
+    @classmethod
+    def of_config(cls, config: ModelConfig, dtype: torch.dtype | str = torch.float32, seed: int = 0,
+                  std: float = 0.02) -> RandomCheckpoint:
+        """Random weights of a ``ModelConfig`` built in code (no file; the path is its name)."""
+        checkpoint = cls.__new__(cls)
+        checkpoint._setup(Path(config.name or "random"), config, {}, std, dtype, seed)
+        return checkpoint
+
+    def _setup(self, path: Path, config: ModelConfig, raw_config: dict[str, Any], std: float,
+               dtype: torch.dtype | str, seed: int) -> None:
+        self.path = path
+        self.config = config
+        self.raw_config = raw_config  # the config.json's dictionary ({} for a config built in code)
         self.dtype = parse_dtype(dtype)
         self.seed = seed
-        self.std = float(self.raw_config.get("initializer_range", 0.02))
+        self.std = std
         with torch.device("meta"):  # shapes only: no memory
             meta = LlamaForCausalLM(self.config)
         self._shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}

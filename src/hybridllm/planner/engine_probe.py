@@ -147,38 +147,35 @@ def measure_model_decode_bandwidth(config: Any, dtype: torch.dtype = torch.float
 
 
 
-# TODO(lead): build through hybridllm.runtime (the tiny decoder, its cache and the speed transforms
-# below are assembled by hand, as LLM.__init__ did).
-def _tiny_decoder(n_layers: int, device: torch.device, dtype: torch.dtype):
-    """A tiny Llama-family model and a fresh cache factory: bytes and FLOPs are negligible."""
-    from hybridllm.config import ModelConfig
-    from hybridllm.kvcache.base import KVSpec
-    from hybridllm.kvcache.dynamic import DynamicCache
-    from hybridllm.models.layers import RotaryEmbedding
-    from hybridllm.models.llama import LlamaForCausalLM
+def _tiny_runtime(n_layers: int, device: torch.device, dtype: torch.dtype):
+    """A tiny Llama-family model with random weights, built as ``LLM`` builds (fused projections,
+    the default decode backend): bytes and FLOPs are negligible, the fixed costs are the engine's."""
+    from hybridllm.config import EngineConfig, ModelConfig
+    from hybridllm.loading.random_checkpoint import RandomCheckpoint
+    from hybridllm.placement.placement import Placement
+    from hybridllm.runtime.build import build_runtime
 
     config = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128, n_layers=n_layers,
                          n_heads=4, n_kv_heads=2, head_dim=16, max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
-    model.rotary = RotaryEmbedding(config)
-    spec = KVSpec(n_layers=n_layers, n_kv_heads=2, head_dim=16, dtype=dtype, device=device, max_tokens=4096)
-    return model, lambda: DynamicCache(spec)
+    engine = EngineConfig(device=str(device), dtype=str(dtype).removeprefix("torch."))
+    return build_runtime(RandomCheckpoint.of_config(config, dtype), engine,
+                         Placement.all_on_device(n_layers, weights="float"))
 
 
 def _decode_step_time(n_layers: int, device: torch.device, dtype: torch.dtype, steps: int, repeats: int) -> float:
-    """Seconds of one single-token decode step of a tiny model with ``n_layers`` layers, with the
-    speed transforms ``LLM`` applies by default (fused projections, native decode on the CPU)."""
-    from hybridllm.engine.speed import apply_speed_transforms
-
-    model, new_cache = _tiny_decoder(n_layers, device, dtype)
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    token = torch.tensor([[1]], device=device)
+    """Seconds of one single-token decode step of a tiny model with ``n_layers`` layers through
+    the engine's own runner."""
+    runtime = _tiny_runtime(n_layers, device, dtype)
+    token = torch.tensor([[1]])  # (1, 1)
 
     def run() -> None:
-        cache = new_cache()
+        cache = runtime.new_cache()
         cache.reserve(steps + 1)
-        for _ in range(steps):
-            model(token, cache, start_pos=cache.seq_length).cpu()  # .cpu(): the generator's sync point
+        try:
+            for _ in range(steps):
+                runtime.runner(token, cache, start_pos=cache.seq_length).cpu()  # .cpu(): the loop's sync point
+        finally:
+            cache.reset()
 
     with torch.inference_mode():
         return best_time(run, repeats) / steps
