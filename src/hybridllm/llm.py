@@ -20,7 +20,6 @@ from hybridllm.config import EngineConfig, KVConfig, SamplingParams
 from hybridllm.engine.generator import GenerationResult, Generator, StreamEvent
 from hybridllm.engine.metrics import ColdStart
 from hybridllm.engine.migration import PhaseMigration
-from hybridllm.engine.speed import apply_speed_transforms
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
@@ -31,7 +30,7 @@ from hybridllm.models.quantized import check_weights_mode, weights_format
 from hybridllm.placement.adaptive import AdaptivePolicy
 from hybridllm.placement.apply import (
     TierDevices,
-    assign_tiers,
+    all_on_host,
     decode_weight_bytes,
     host_decode_model,
     place_tied_head,
@@ -39,6 +38,8 @@ from hybridllm.placement.apply import (
     weight_device_for,
 )
 from hybridllm.placement.placement import TIER_NAMES, Placement
+from hybridllm.runtime.backends import AUTO, check_backend_name
+from hybridllm.runtime.runner import ModelRunner, build_runner
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
@@ -63,14 +64,16 @@ class LLM:
             (more than the model has is clamped with a warning).
         decode_on: "device", or "host" for phase migration: prefill on ``device``, then the KV
             moves to the host and decoding runs there on a host copy of the weights.
-        fuse: stack q/k/v and gate/up into one projection each (fewer operator calls per token;
-            see ``hybridllm.models.fuse``).
-        native_decode: run decode steps of host layers (batch 1, float32 activations) through
-            the native C++ kernels (``hybridllm.kernels``; built once with the host compiler,
-            PyTorch steps when that is impossible). Build and weight conversion count in the
-            cold start.
-        compile: ``torch.compile`` the layers' dense parts for decode steps; the compile runs
-            in a warm-up step at load and counts in the cold start.
+        fuse: stack q/k/v and gate/up into one matrix each at load (fewer operator calls per
+            token; see ``hybridllm.models.fuse``); False keeps the parts' separate kernels.
+        native_decode: with ``decode_backend="auto"``, run decode steps of host layers (batch 1,
+            float32 activations) through the native C++ kernels (``hybridllm.kernels``; built
+            once with the host compiler, PyTorch steps when that is impossible); False: the
+            eager backend. Build and weight conversion count in the cold start.
+        compile: the "compiled" decode backend: ``torch.compile`` the layers' dense parts for
+            decode steps; the compile runs in a warm-up step at load and counts in the cold start.
+        decode_backend: how decode steps run (``hybridllm.runtime.backends``): "auto" (native
+            where layers are on the host, else eager), "eager", "compiled" or "native".
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -91,6 +94,7 @@ class LLM:
         fuse: bool = True,
         native_decode: bool = True,
         compile: bool = False,
+        decode_backend: str = AUTO,
         **kv_options: Any,
     ) -> None:
         if weights is not None:
@@ -103,6 +107,7 @@ class LLM:
             raise ConfigError("give a placement file or --n-gpu-layers, not both")
         if decode_on is not None and decode_on not in TIER_NAMES:
             raise ConfigError(f"--decode-on must be 'device' or 'host', got {decode_on!r}")
+        self.decode_backend = resolve_decode_backend(decode_backend, native_decode, compile)
         if threads is not None:
             torch.set_num_threads(threads)
         self.cold_start = ColdStart()
@@ -116,27 +121,26 @@ class LLM:
         self.devices = TierDevices(self.engine_config.torch_device)
         self.model = load_model(
             self.checkpoint, self.engine_config.torch_dtype, weight_device_for(self.placement, self.devices),
-            self.cold_start, show_progress, weights=weights,
+            self.cold_start, show_progress, weights=weights, fuse=fuse,
         )
         place_tied_head(self.model, self.placement, self.devices)
-        assign_tiers(self.model, self.placement)
-        self._speed = {"fuse": fuse, "native_decode": native_decode, "compile": compile}
-        apply_speed_transforms(self.model, **self._speed)
-        self.cold_start.compile_s = self.model.speed_report.seconds
+        self.runner: ModelRunner = build_runner(self.model, self.placement, self.devices, self.decode_backend)
+        self.cold_start.compile_s = self.runner.report.seconds
         self.weights_format = weights_format(self.model)
         t0 = time.perf_counter()
         self.tokenizer = self.checkpoint.tokenizer()
         self.cold_start.tokenizer_s = time.perf_counter() - t0
-        self.weight_bytes = weight_bytes_per_tier(self.model)
+        self.weight_bytes = weight_bytes_per_tier(self.model, self.placement, self.runner.backend)
         self._migration: PhaseMigration | None = None
         if self.placement.decode_on == "host":
             t0 = time.perf_counter()
             self.phase_migration()
             self.cold_start.host_copy_s = time.perf_counter() - t0
         # What a decode step reads (the decoding model's weights; native layers read their own copy).
-        self.decode_weight_bytes = decode_weight_bytes(self._migration.decode_model if self._migration else self.model)
+        decoding = self._migration.decode_model if self._migration else self.runner
+        self.decode_weight_bytes = decode_weight_bytes(decoding.model, decoding.placement, decoding.backend)
         self._generator = Generator(
-            self.model,
+            self.runner,
             self.tokenizer,
             self.new_cache,
             device=self.devices.device,
@@ -148,7 +152,7 @@ class LLM:
             migration=self._migration,
             adaptive=AdaptivePolicy(self.phase_migration) if self.kv_config.kv_adaptive else None,
         )
-        if compile:
+        if self.decode_backend == "compiled":
             self._warm_up()
 
     # ---- public API ---------------------------------------------------------------------
@@ -199,9 +203,11 @@ class LLM:
     def phase_migration(self) -> PhaseMigration:
         """Decoding on the host: a host copy of the device weights (made once) and host caches."""
         if self._migration is None:
-            decode_model = apply_speed_transforms(host_decode_model(self.model, self.devices), **self._speed)
-            self.weight_bytes["host"] = weight_bytes_per_tier(decode_model)["host"]
-            self._migration = PhaseMigration(decode_model, self.new_host_cache)
+            host_model = host_decode_model(self.model, self.devices)
+            decode_runner = build_runner(host_model, all_on_host(self.placement), self.devices, self.decode_backend)
+            self.weight_bytes["host"] = weight_bytes_per_tier(host_model, decode_runner.placement,
+                                                              decode_runner.backend)["host"]
+            self._migration = PhaseMigration(decode_runner, self.new_host_cache)
         return self._migration
 
     # ---- internals ----------------------------------------------------------------------
@@ -236,6 +242,17 @@ class LLM:
                 f"of {budget} bytes; raise --vram-budget or place fewer layers on the device"
             )
         return MemoryLedger({"device": kv_budget}, threshold=self.kv_config.kv_threshold)
+
+
+def resolve_decode_backend(decode_backend: str, native_decode: bool, compile: bool) -> str:
+    """The decode backend's name: ``compile=True`` means "compiled", ``native_decode=False``
+    turns "auto" into "eager"; an unknown name is a ConfigError listing the names."""
+    check_backend_name(decode_backend)
+    if compile:
+        return "compiled"
+    if decode_backend == AUTO and not native_decode:
+        return "eager"
+    return decode_backend
 
 
 def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | None, n_gpu_layers: int | None,

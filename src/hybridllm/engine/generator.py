@@ -14,7 +14,7 @@ from hybridllm.engine.migration import PhaseMigration
 from hybridllm.engine.output import RequestOutput, StopStringMatcher, check_prompt  # noqa: F401 (re-exported)
 from hybridllm.engine.sampling import Sampler
 from hybridllm.kvcache.base import KVBudgetError, KVCache
-from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.runtime.runner import ModelRunner
 from hybridllm.placement.adaptive import AdaptivePolicy
 
 
@@ -40,16 +40,16 @@ class StreamEvent:
 
 @dataclass
 class _Run:
-    """Where a request runs now: its cache and model change when it migrates to the host."""
+    """Where a request runs now: its cache and runner change when it migrates to the host."""
 
     cache: KVCache
-    model: LlamaForCausalLM
+    model: ModelRunner
     caches: list[KVCache]  # every cache the request used, the first one first
     actions: list[str]  # what the adaptive policy did
     reserve_tokens: int  # prompt + token budget
     hop_bytes: int = 0  # hidden-state bytes that crossed tiers
 
-    def adopt(self, cache: KVCache, model: LlamaForCausalLM) -> None:
+    def adopt(self, cache: KVCache, model: ModelRunner) -> None:
         self.cache, self.model = cache, model
         self.caches.append(cache)
 
@@ -58,7 +58,7 @@ class Generator:
     """Runs requests on a loaded model.
 
     Args:
-        model: the model.
+        model: the model's runner (placement, hops, decode backend).
         tokenizer: its tokenizer (``stream_decoder``, ``eos_token_ids``).
         cache_factory: builds an empty KV cache for a request.
         device: where the model's inputs go (its embedding's device).
@@ -72,7 +72,7 @@ class Generator:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: ModelRunner,
         tokenizer,
         cache_factory: Callable[[], KVCache],
         device: torch.device,

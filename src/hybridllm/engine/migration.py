@@ -14,19 +14,19 @@ import torch
 
 from hybridllm.kvcache.base import KVCache, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
-from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.runtime.runner import ModelRunner
 
 
 @dataclass
 class PhaseMigration:
-    """Moves a request's KV to the host after prefill and names the model that decodes there.
+    """Moves a request's KV to the host after prefill and names the runner that decodes there.
 
     Args:
-        decode_model: the model with every weight on the host.
+        decode_model: the runner of the model copy with every weight on the host.
         new_host_cache: builds an empty host-tier cache accounted in a given ledger.
     """
 
-    decode_model: LlamaForCausalLM
+    decode_model: ModelRunner
     new_host_cache: Callable[[MemoryLedger], DynamicCache]
 
     def migrate(self, cache: KVCache, reserve_tokens: int = 0) -> DynamicCache:

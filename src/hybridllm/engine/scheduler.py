@@ -203,7 +203,7 @@ class Scheduler:
         if max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
         self.llm = llm
-        self.model = llm.model
+        self.model = llm.runner
         self.tokenizer = llm.tokenizer
         self.device = llm.engine_config.torch_device
         self.context_length = llm.config.max_position_embeddings

@@ -84,7 +84,7 @@ class _Runner:
         try:
             for start in range(0, len(window), chunk):
                 ids = torch.tensor([window[start:start + chunk]], dtype=torch.long, device=self.device)  # (1, T)
-                out = self.llm.model(ids, cache, start_pos=cache.seq_length, all_logits=True)  # (1, T, V)
+                out = self.llm.runner(ids, cache, start_pos=cache.seq_length, all_logits=True)  # (1, T, V)
                 yield out[0].float().cpu()  # (T, V)
         finally:
             cache.reset()

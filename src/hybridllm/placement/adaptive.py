@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from hybridllm.engine.migration import PhaseMigration
 from hybridllm.kvcache.base import KVCache
 from hybridllm.kvcache.tiered import TieredCache
-from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ class AdaptivePolicy:
 
     migration: Callable[[], PhaseMigration]
 
-    def relieve(self, cache: KVCache, model: LlamaForCausalLM, reserve_tokens: int, actions: list[str]
-                ) -> tuple[KVCache, LlamaForCausalLM]:
+    def relieve(self, cache: KVCache, model: ModelRunner, reserve_tokens: int, actions: list[str]
+                ) -> tuple[KVCache, ModelRunner]:
         """The cache and model to continue with: unchanged unless a tier is over its threshold.
 
         Args:
@@ -65,7 +65,7 @@ class AdaptivePolicy:
         return self.move_to_host(cache, reserve_tokens, actions, "device KV over its threshold")
 
     def move_to_host(self, cache: KVCache, reserve_tokens: int, actions: list[str], why: str
-                     ) -> tuple[KVCache, LlamaForCausalLM]:
+                     ) -> tuple[KVCache, ModelRunner]:
         """Migrate the request to the host: its KV to a host cache, the rest of it to the host model."""
         migration = self.migration()
         host_cache = migration.migrate(cache, reserve_tokens)

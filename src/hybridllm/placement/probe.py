@@ -392,19 +392,22 @@ def _tiny_decoder(n_layers: int, device: torch.device, dtype: torch.dtype):
 
 
 def _decode_step_time(n_layers: int, device: torch.device, dtype: torch.dtype, steps: int, repeats: int) -> float:
-    """Seconds of one single-token decode step of a tiny model with ``n_layers`` layers, with the
-    speed transforms ``LLM`` applies by default (fused projections, native decode on the CPU)."""
-    from hybridllm.engine.speed import apply_speed_transforms
+    """Seconds of one single-token decode step of a tiny model with ``n_layers`` layers, through
+    the runner ``LLM`` builds by default (stacked projections, the "auto" decode backend: native
+    decode on the CPU)."""
+    from hybridllm.placement.apply import TierDevices
+    from hybridllm.placement.placement import Placement
+    from hybridllm.runtime.runner import build_runner
 
     model, new_cache = _tiny_decoder(n_layers, device, dtype)
-    apply_speed_transforms(model, fuse=True, native_decode=True)
+    runner = build_runner(model, Placement.all_on_device(n_layers), TierDevices(device))
     token = torch.tensor([[1]], device=device)
 
     def run() -> None:
         cache = new_cache()
         cache.reserve(steps + 1)
         for _ in range(steps):
-            model(token, cache, start_pos=cache.seq_length).cpu()  # .cpu(): the generator's sync point
+            runner(token, cache, start_pos=cache.seq_length).cpu()  # .cpu(): the generator's sync point
 
     with torch.inference_mode():
         return _best_time(run, repeats) / steps
