@@ -283,8 +283,8 @@ def test_q4_k_file_loads_as_int4(tiny_models, tmp_path, monkeypatch):
     quant, ref = LLM(path, weights="auto", fuse=False), LLM(path, weights="float", fuse=False)
     assert quant.checkpoint.tensors["blk.0.attn_q.weight"].type_name == "Q4_K"
     assert quant.weights_format == "int4"
-    k_proj, ref_k_proj = quant.model.model.layers[1].self_attn.qkv_proj.parts[1], ref.model.model.layers[1].self_attn.qkv_proj.parts[1]
-    w, w_ref = k_proj.dequantize(), ref_k_proj.weight
+    k_proj = quant.model.model.layers[1].self_attn.qkv_proj.parts[1]
+    w, w_ref = k_proj.dequantize(), ref.model.model.layers[1].self_attn.qkv_proj.parts[1].weight
     assert (w - w_ref).abs().max() <= 0.02 * w_ref.abs().max()
     ids = list(range(5, 30))
     _assert_close_logits(_logits(quant, ids), _dequantized_logits(quant, ids))

@@ -123,7 +123,8 @@ class progress:
     def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:
             return lambda _n: None
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
 
         self._bar = Progress(
             TextColumn("loading {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
