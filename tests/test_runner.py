@@ -85,6 +85,7 @@ def test_hops_are_counted_where_the_tier_changes(backend):
     # device -> host -> device, the CPU playing both tiers: two crossings per token
     runner = _runner(model, backend, Placement(["device", "host", "device"], embed_tier="device", head_tier="device"))
     assert [(s.tier, len(s.layers)) for s in runner.segments] == [("device", 1), ("host", 1), ("device", 1)]
+    assert runner.report.build.whole_step == (backend == "native")  # the native hops are counted by the runner
     cache = _cache(model.config)
     with torch.inference_mode():
         runner(torch.arange(5)[None], cache, 0)  # prefill: 5 tokens cross twice

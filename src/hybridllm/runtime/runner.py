@@ -110,7 +110,7 @@ class ModelRunner:
         tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         if decode:
             tables[x.device] = model.rotary_tables(start_pos, seq, x.dtype, x.device)
-            logits = backend.decode_model(input_ids, x, *tables[x.device], cache)
+            logits = backend.token_step(input_ids, x, *tables[x.device], cache)
             if logits is not None:  # the whole token in one call: the hops it made are the placement's
                 self.hop_bytes += self._tier_changes * x.numel() * x.element_size()
                 return logits
@@ -122,7 +122,7 @@ class ModelRunner:
                 tables[segment.device] = model.rotary_tables(start_pos, seq, x.dtype, segment.device)
             cos, sin = tables[segment.device]
             for layer in segment.layers:
-                x = backend.decode_layer(layer, x, cos, sin, cache) if decode else layer(x, cos, sin, cache)
+                x = backend.layer_step(layer, x, cos, sin, cache) if decode else layer(x, cos, sin, cache)
         if not all_logits:
             x = x[:, -1:, :]
         x = self._hop(x, model.model.norm.weight.device, tier != self.placement.head_tier)
@@ -168,8 +168,8 @@ def build_runner(model: LlamaForCausalLM, placement: Placement, devices: TierDev
     t0 = time.perf_counter()
     chosen = backend
     if backend == AUTO:
-        pieces = [placement.embed_tier, *placement.layer_tiers, placement.head_tier][1:]  # layers and head
-        chosen = "native" if any(devices.of(tier).type == "cpu" for tier in pieces) else "eager"
+        computing = [*placement.layer_tiers, placement.head_tier]  # the pieces a decode step computes on
+        chosen = "native" if any(devices.of(tier).type == "cpu" for tier in computing) else "eager"
     notes: list[str] = []
     try:
         built = backend_class(chosen)(model)

@@ -50,14 +50,14 @@ class DecodeBackend(Protocol):
     name: str
     report: BackendReport
 
-    def decode_model(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor | None:
+    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor | None:
         """Logits (1, 1, vocab) of a whole decode step in one call, or None (no such step, or it
         does not apply here): the runner then walks the layers. ``x``: the embedding (B, 1, hidden)."""
         ...
 
-    def decode_layer(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor:
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
         """One layer of a decode step: x (B, 1, hidden) -> (B, 1, hidden)."""
         ...
 

@@ -28,8 +28,8 @@ class CompiledBackend(EagerBackend):
         self._after = torch.compile(DecoderLayer.attention_outputs, fullgraph=True)
         self.report.notes.append("compiled lazily: the first decode step pays the compile time")
 
-    def decode_layer(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor:
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
         q, k, v = self._before(layer, x, cos, sin)
         attn = cache.attend(layer.self_attn.layer_idx, q, k, v)  # (B, H, 1, D)
         return self._after(layer, x, attn)

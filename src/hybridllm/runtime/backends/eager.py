@@ -18,12 +18,12 @@ class EagerBackend:
         self.model = model
         self.report = BackendReport()
 
-    def decode_model(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor | None:
+    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor | None:
         return None
 
-    def decode_layer(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor:
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
         return layer(x, cos, sin, cache)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

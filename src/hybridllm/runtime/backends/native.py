@@ -36,15 +36,15 @@ class NativeBackend(EagerBackend):
         if built.layers == 0:
             self.report.notes.append("native decode: no host layer got a native step (reasons in skipped)")
 
-    def decode_model(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor | None:
+    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor | None:
         whole = self.steps.whole
         if whole is None or not whole.applies(input_ids, x, cache):
             return None
         return whole.decode(x, cos, sin, cache)
 
-    def decode_layer(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache) -> torch.Tensor:
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
         native = self.steps.layers.get(layer.self_attn.layer_idx)
         if native is not None and native.applies(x, cos, cache):
             return native.step(x, cos, sin, cache)  # the whole one-token step in one kernel call
