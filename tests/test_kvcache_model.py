@@ -74,7 +74,7 @@ def default_runs(default_llm):
 
 
 def _run_rows(default_llm) -> dict[str, dict]:
-    model, cfg = default_llm.model, default_llm.config
+    model, cfg = default_llm.runner, default_llm.config
     spec = KVSpec(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32, torch.device("cpu"),
                   max_tokens=cfg.max_position_embeddings)
     names = list(ROWS)

@@ -14,13 +14,15 @@ import logging
 import pytest
 import torch
 
-from hybridllm.engine.speed import apply_speed_transforms
 from hybridllm.kernels import build, native
 from hybridllm.kvcache import DynamicCache, KVSpec
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
 from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, dequantize_model, quantize_model
+from hybridllm.placement.apply import TierDevices
+from hybridllm.placement.placement import Placement
+from hybridllm.runtime.runner import build_runner
 
 from conftest import ARCHS
 
@@ -131,6 +133,10 @@ def _load(tiny_models, arch: str, weights: str = "float"):
     return model
 
 
+def _runner(model, backend: str):
+    return build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), backend)
+
+
 def _cache(model, **kwargs) -> DynamicCache:
     c = model.config
     return DynamicCache(KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU,
@@ -170,12 +176,10 @@ def _count_native_steps(monkeypatch) -> dict[str, int]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_decode_equals_the_pytorch_step_on_float_weights(tiny_models, arch, monkeypatch):
-    reference = _load(tiny_models, arch)
-    apply_speed_transforms(reference, fuse=True, native_decode=False)
-    model = _load(tiny_models, arch)
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    report = model.speed_report.native
-    assert report.layers == model.config.n_layers and report.head and report.whole_step
+    reference = _runner(_load(tiny_models, arch), "eager")
+    model = _runner(_load(tiny_models, arch), "native")
+    report = model.report.build
+    assert report.kernel_layers == model.config.n_layers and report.head and report.whole_step
     assert report.copy_bytes == 0  # float32 weights are read in place
     counts = _count_native_steps(monkeypatch)
     expected_logits, expected_tokens = _greedy(reference, _cache(reference))
@@ -187,12 +191,10 @@ def test_native_decode_equals_the_pytorch_step_on_float_weights(tiny_models, arc
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_native_decode_of_quantized_weights_matches_their_float_product(tiny_models, weights):
-    model = _load(tiny_models, "llama", weights)
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    assert model.speed_report.native.whole_step
+    model = _runner(_load(tiny_models, "llama", weights), "native")
+    assert model.report.build.whole_step
     # The reference: the same model with every quantized projection dequantized to float32.
-    reference = _load(tiny_models, "llama", weights)
-    dequantize_model(apply_speed_transforms(reference, fuse=True, native_decode=False))
+    reference = _runner(dequantize_model(_load(tiny_models, "llama", weights)), "eager")
     # A one-token prompt: every step, the first included, is a decode step (the prefill of longer
     # prompts runs PyTorch's bfloat16 kernels, which would differ from both).
     prompt = 1
@@ -207,16 +209,17 @@ def test_int4_copies_count_as_host_weight_bytes(tiny_models):
     from hybridllm.placement.apply import decode_weight_bytes, weight_bytes_per_tier
 
     model = _load(tiny_models, "llama", "int4")
-    apply_speed_transforms(model, fuse=True, native_decode=False)
-    before = weight_bytes_per_tier(model)
-    assert decode_weight_bytes(model) == sum(before.values())
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    copies = model.speed_report.native.copy_bytes
+    eager, native_runner = _runner(model, "eager"), _runner(model, "native")
+    placement = eager.placement
+    before = weight_bytes_per_tier(model, placement, eager.backend)
+    assert before == weight_bytes_per_tier(model, placement)
+    assert decode_weight_bytes(model, placement, eager.backend) == sum(before.values())
+    copies = native_runner.report.build.copy_bytes
     assert copies > 0
-    after = weight_bytes_per_tier(model)
+    after = weight_bytes_per_tier(model, placement, native_runner.backend)
     assert sum(after.values()) - sum(before.values()) == copies
     # A decode step reads the native copies instead of PyTorch's packed int4 (same bytes: 20 per 32).
-    assert decode_weight_bytes(model) == sum(before.values())
+    assert decode_weight_bytes(model, placement, native_runner.backend) == sum(before.values())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
@@ -231,17 +234,13 @@ def test_linear_kernel_reads_each_weight_block_once_for_several_rows(rows):
 
 
 def test_layers_the_kernels_cannot_run_keep_their_pytorch_step(tiny_models, monkeypatch):
-    reference = _load(tiny_models, "llama")
-    apply_speed_transforms(reference, fuse=True, native_decode=False)
-    model = _load(tiny_models, "llama")
-    fused = apply_speed_transforms(model, fuse=True, native_decode=False)
+    reference, model = _load(tiny_models, "llama"), _load(tiny_models, "llama")
     # A projection in a format the kernels do not read (bfloat16 weights computing in float32).
-    layer0 = fused.model.layers[0].self_attn
-    layer0.o_proj = _Bf16Linear(layer0.o_proj)
-    reference.model.layers[0].self_attn.o_proj = _Bf16Linear(reference.model.layers[0].self_attn.o_proj)
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    report = model.speed_report.native
-    assert report.layers == model.config.n_layers - 1 and not report.whole_step
+    for loaded in (reference, model):
+        loaded.model.layers[0].self_attn.o_proj = _Bf16Linear(loaded.model.layers[0].self_attn.o_proj)
+    reference, model = _runner(reference, "eager"), _runner(model, "native")
+    report = model.report.build
+    assert report.kernel_layers == model.config.n_layers - 1 and not report.whole_step
     assert any(note.startswith("layer 0:") for note in report.skipped)
     counts = _count_native_steps(monkeypatch)
     expected_logits, expected_tokens = _greedy(reference, _cache(reference), steps=6)
@@ -272,7 +271,7 @@ def test_strategies_without_in_place_slots_run_the_pytorch_step(tiny_models, kv_
     gguf = str(tiny_models["llama"][1])
     native_llm = LLM(gguf, threads=2, kv_cache=kv_cache)
     plain_llm = LLM(gguf, threads=2, kv_cache=kv_cache, native_decode=False)
-    assert native_llm.model.speed_report.native.whole_step
+    assert native_llm.runner.report.build.whole_step
     assert native_llm.generate("Hello", params).token_ids == plain_llm.generate("Hello", params).token_ids
     assert counts == {"model": 0, "layer": 0}
 
@@ -286,9 +285,9 @@ def test_split_placement_counts_the_same_hops_natively(tiny_models, monkeypatch)
     for native_decode in (True, False):
         # The CPU plays the device: layer 0 in the device tier, layer 1 and the head on the host.
         llm = LLM(str(tiny_models["llama"][1]), threads=2, n_gpu_layers=1, native_decode=native_decode)
-        llm.model.hop_bytes = 0
+        llm.runner.hop_bytes = 0
         result = llm.generate("The sky is", params)
-        results.append((result.token_ids, llm.model.hop_bytes))
+        results.append((result.token_ids, llm.runner.hop_bytes))
     assert counts["model"] == 7  # decode steps after the first token, all native
     assert results[0] == results[1]
     assert results[0][1] > 0
@@ -304,15 +303,15 @@ def test_default_model_int4_native_decode_is_closer_to_exact_than_pytorch(shared
         ids = torch.randint(0, 5000, (1, 40), generator=_gen(1))
         cache = llm.new_cache()
         with torch.inference_mode():
-            llm.model(ids[:, :24], cache, 0)
-            return torch.stack([llm.model(ids[:, i:i + 1], cache, i)[0, -1] for i in range(24, 40)])
+            llm.runner(ids[:, :24], cache, 0)
+            return torch.stack([llm.runner(ids[:, i:i + 1], cache, i)[0, -1] for i in range(24, 40)])
 
     def kl(x: torch.Tensor, exact: torch.Tensor) -> float:
         return torch.nn.functional.kl_div(x.log_softmax(-1), exact.log_softmax(-1), log_target=True,
                                           reduction="batchmean").item()
 
     native_llm = shared_llm(weights="auto", threads=2)
-    assert native_llm.model.speed_report.native.whole_step
+    assert native_llm.runner.report.build.whole_step
     pytorch_llm = shared_llm(weights="auto", threads=2, native_decode=False)
     exact_llm = LLM(weights="auto", threads=2, native_decode=False)
     dequantize_model(exact_llm.model)
@@ -327,15 +326,12 @@ def test_without_a_compiler_the_model_keeps_its_pytorch_steps(tiny_models, tmp_p
     monkeypatch.setenv("HYBRIDLLM_KERNEL_CACHE", str(tmp_path / "kernels"))
     build.load_decode_library.cache_clear()
     try:
-        model = _load(tiny_models, "llama")
         with caplog.at_level(logging.WARNING):
-            apply_speed_transforms(model, fuse=True, native_decode=True)
-        assert model.speed_report.native is None
-        assert any("native decode unavailable" in note for note in model.speed_report.notes)
+            model = _runner(_load(tiny_models, "llama"), "auto")
+        assert model.report.backend == "eager" and model.report.requested == "auto"
+        assert any("native decode unavailable" in note for note in model.report.notes)
         assert "no C++ compiler found" in caplog.text
-        assert "native_model" not in model.__dict__
-        reference = _load(tiny_models, "llama")
-        apply_speed_transforms(reference, fuse=True, native_decode=False)
+        reference = _runner(_load(tiny_models, "llama"), "eager")
         assert _greedy(model, _cache(model), steps=4)[1] == _greedy(reference, _cache(reference), steps=4)[1]
     finally:
         build.load_decode_library.cache_clear()
@@ -358,10 +354,11 @@ def test_host_decode_copy_gets_its_own_native_steps(tiny_models, monkeypatch):
     gguf = str(tiny_models["llama"][1])
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm = LLM(gguf, threads=2, n_gpu_layers=1, decode_on="host")
-    decode_model = llm.phase_migration().decode_model
-    assert decode_model is not llm.model
-    assert decode_model.__dict__.get("native_model") is not None  # re-applied to the copy, not copied
-    assert decode_model.native_model is not llm.model.__dict__.get("native_model")
+    decode_runner = llm.phase_migration().decode_model
+    assert decode_runner.model is not llm.model
+    assert decode_runner.placement.layer_tiers == ["host", "host"]
+    assert decode_runner.report.build.whole_step  # built for the copy: every layer is on the host
+    assert decode_runner.backend is not llm.runner.backend
     counts = _count_native_steps(monkeypatch)
     tokens = llm.generate("The sky is", params).token_ids
     assert counts["model"] == 7
@@ -393,13 +390,10 @@ def test_an_unwritable_kernel_cache_is_one_line(tmp_path, monkeypatch):
         build.build_library()
 
 
-def test_a_second_transform_rebuilds_the_steps_from_the_current_weights(tiny_models):
+def test_a_second_build_describes_the_current_weights(tiny_models):
     model = _load(tiny_models, "llama")
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    assert model.speed_report.native.whole_step
+    assert _runner(model, "native").report.build.whole_step
     model.model.layers[1].self_attn.o_proj = _Bf16Linear(model.model.layers[1].self_attn.o_proj)
-    apply_speed_transforms(model, fuse=True, native_decode=True)
-    report = model.speed_report.native
-    assert not report.whole_step and "native_model" not in model.__dict__  # no stale whole-model step
-    assert model.model.layers[1]._modules.get("native_step") is None
-    assert model.model.layers[0]._modules.get("native_step") is not None
+    runner = _runner(model, "native")
+    assert not runner.report.build.whole_step and runner.backend.steps.whole is None  # no stale whole-model step
+    assert sorted(runner.backend.steps.layers) == [0]

@@ -217,16 +217,17 @@ def test_auto_keeps_the_file_quantization(tiny_quantized, qtype, expected):
     from hybridllm import LLM
 
     path = tiny_quantized[qtype]
-    # fuse=False: this test looks at the loader's per-projection modules
+    # fuse=False: this test looks at the loader's per-projection modules (q, k, v kept apart)
     quant, ref = LLM(path, weights="auto", fuse=False), LLM(path, weights="float", fuse=False)
     assert quant.weights_format == expected and ref.weights_format == "float32"
     attn = quant.model.model.layers[0].self_attn
-    assert isinstance(attn.q_proj, Int4Linear if expected == "int4" else Int8Linear)
+    assert isinstance(attn.qkv_proj.parts[0], Int4Linear if expected == "int4" else Int8Linear)
     assert isinstance(quant.model.model.embed_tokens, Int8Embedding)
     # Q/K rows un-permuted on the raw blocks: the kept-quantized matrices equal the float path's
     ref_attn = ref.model.model.layers[0].self_attn
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        w, w_ref = getattr(attn, name).dequantize(), getattr(ref_attn, name).weight
+    pairs = [*zip("qkv", attn.qkv_proj.parts, ref_attn.qkv_proj.parts), ("o", attn.o_proj, ref_attn.o_proj)]
+    for name, module, ref_module in pairs:
+        w, w_ref = module.dequantize(), ref_module.weight
         assert (w - w_ref).abs().max() <= 0.02 * w_ref.abs().max(), name
     # a 4-bit token table is requantized to int8 groups (~0.4% of a row's range), which the
     # random tiny model amplifies; Q8_0 tables are kept exactly
@@ -254,7 +255,7 @@ def test_hf_folder_requantized(tiny_models, mode, shared_llm):
     folder = tiny_models["qwen2"][0]  # q/k/v biases
     quant, ref = LLM(folder, weights=mode, fuse=False), shared_llm(model=folder, fuse=False)
     assert quant.weights_format == mode
-    assert quant.model.model.layers[0].self_attn.q_proj.bias is not None
+    assert quant.model.model.layers[0].self_attn.qkv_proj.parts[0].bias is not None  # q's bias
     ids = list(range(5, 30))
     _assert_close_logits(_logits(quant, ids), _dequantized_logits(quant, ids))
     _assert_close_logits(_logits(quant, ids), _logits(ref, ids), rel=0.5 if mode == "int4" else 0.1)
@@ -282,7 +283,8 @@ def test_q4_k_file_loads_as_int4(tiny_models, tmp_path, monkeypatch):
     quant, ref = LLM(path, weights="auto", fuse=False), LLM(path, weights="float", fuse=False)
     assert quant.checkpoint.tensors["blk.0.attn_q.weight"].type_name == "Q4_K"
     assert quant.weights_format == "int4"
-    w, w_ref = quant.model.model.layers[1].self_attn.k_proj.dequantize(), ref.model.model.layers[1].self_attn.k_proj.weight
+    k_proj = quant.model.model.layers[1].self_attn.qkv_proj.parts[1]
+    w, w_ref = k_proj.dequantize(), ref.model.model.layers[1].self_attn.qkv_proj.parts[1].weight
     assert (w - w_ref).abs().max() <= 0.02 * w_ref.abs().max()
     ids = list(range(5, 30))
     _assert_close_logits(_logits(quant, ids), _dequantized_logits(quant, ids))
@@ -354,8 +356,7 @@ def test_default_model_int4_greedy_equals_float(default_llm, default_int4):
 def test_default_model_int4_weight_bytes_near_file_bytes(default_int4):
     file_bytes = sum(info.nbytes for info in default_int4.checkpoint.tensors.values())
     ledger = sum(default_int4.weight_bytes.values())
-    native = default_int4.model.speed_report.native
-    copies = native.copy_bytes if native is not None else 0  # the native decode kernels' int4 rows
+    copies = default_int4.runner.report.build.copy_bytes  # the native decode kernels' int4 rows (0: none)
     assert abs((ledger - copies) / file_bytes - 1) <= 0.15
     assert abs(default_int4.decode_weight_bytes / file_bytes - 1) <= 0.15  # what one decode step reads
 

@@ -256,7 +256,7 @@ def test_batched_greedy_equals_single_request_generate(default_llm):
 
 def test_batched_caches_route_rows_to_their_own_caches(default_llm):
     """One batched forward over sequences of different lengths == each sequence alone."""
-    model = default_llm.model
+    model = default_llm.runner
     prompts = [default_llm.encode_prompt(p) for p in ("Hello there", "The capital of France is a city that")]
     with torch.inference_mode():
         caches, firsts, refs = [], [], []

@@ -11,24 +11,31 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from hybridllm.engine.speed import apply_speed_transforms
 from hybridllm.kvcache import DynamicCache, KVSpec
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.kvcache.quantized import QuantizedCache
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
-from hybridllm.models.fuse import fuse_projections
+from hybridllm.models.fuse import ConcatLinear, stack_projections
 from hybridllm.models.quantized import Int4Linear, Int8Linear, quantize_model
+from hybridllm.placement.apply import TierDevices
+from hybridllm.placement.placement import Placement
+from hybridllm.runtime.runner import build_runner
 
 from conftest import ARCHS
 
 CPU = torch.device("cpu")
 
 
-def _load(tiny_models, arch: str):
+def _load(tiny_models, arch: str, fuse: bool = True):
     folder, _, hf_model = tiny_models[arch]
-    return load_model(open_checkpoint(folder), torch.float32, lambda n: CPU), hf_model
+    return load_model(open_checkpoint(folder), torch.float32, lambda n: CPU, fuse=fuse), hf_model
+
+
+def _runner(model, backend: str):
+    return build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), backend)
 
 
 def _cache(model) -> DynamicCache:
@@ -60,13 +67,15 @@ def _prefill_and_greedy(model, ids: torch.Tensor, steps: int = 12) -> tuple[torc
 # ---- fusion -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_float_projections_equal_separate_ones(tiny_models, arch):
+    separate, _ = _load(tiny_models, arch, fuse=False)
+    attn, mlp = separate.model.layers[0].self_attn, separate.model.layers[0].mlp
+    assert isinstance(attn.qkv_proj, ConcatLinear) and len(attn.qkv_proj.parts) == 3
+    assert isinstance(mlp.gate_up_proj, ConcatLinear) and len(mlp.gate_up_proj.parts) == 2
+    ids = _prompt(separate)
+    ref_logits, ref_tokens = _prefill_and_greedy(separate, ids)
     model, _ = _load(tiny_models, arch)
-    ids = _prompt(model)
-    ref_logits, ref_tokens = _prefill_and_greedy(model, ids)
-    fuse_projections(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    assert hasattr(attn, "qkv_proj") and not hasattr(attn, "q_proj")
-    assert hasattr(mlp, "gate_up_proj") and not hasattr(mlp, "gate_proj")
+    assert type(attn.qkv_proj) is nn.Linear and type(mlp.gate_up_proj) is nn.Linear
     assert (attn.qkv_proj.bias is not None) == (arch == "qwen2")  # Qwen2's q/k/v biases are stacked too
     logits, tokens = _prefill_and_greedy(model, ids)
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
@@ -75,11 +84,13 @@ def test_fused_float_projections_equal_separate_ones(tiny_models, arch):
 
 @pytest.mark.parametrize("fmt, kind", [("int4", Int4Linear), ("int8", Int8Linear)])
 def test_fused_quantized_projections_equal_separate_ones(tiny_models, fmt, kind):
+    separate, _ = _load(tiny_models, "llama", fuse=False)
+    quantize_model(separate, fmt)  # each part quantized on its own
+    assert all(isinstance(p, kind) for p in separate.model.layers[0].self_attn.qkv_proj.parts)
+    ids = _prompt(separate)
+    ref_logits, ref_tokens = _prefill_and_greedy(separate, ids)
     model, _ = _load(tiny_models, "llama")
     quantize_model(model, fmt)
-    ids = _prompt(model)
-    ref_logits, ref_tokens = _prefill_and_greedy(model, ids)
-    fuse_projections(model)
     for layer in model.model.layers:
         assert isinstance(layer.self_attn.qkv_proj, kind) and isinstance(layer.mlp.gate_up_proj, kind)
     logits, tokens = _prefill_and_greedy(model, ids)
@@ -88,60 +99,53 @@ def test_fused_quantized_projections_equal_separate_ones(tiny_models, fmt, kind)
 
 
 def test_fused_int4_keeps_the_exact_codes_and_scales(tiny_models):
-    model, _ = _load(tiny_models, "llama")
+    model, _ = _load(tiny_models, "llama", fuse=False)
     quantize_model(model, "int4")
-    attn = model.model.layers[0].self_attn
-    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-    expected_codes = torch.cat([p.unpack_codes() for p in parts])
-    expected_weight = torch.cat([p.dequantize() for p in parts])
-    fuse_projections(model)
-    assert torch.equal(attn.qkv_proj.unpack_codes(), expected_codes)
-    assert torch.equal(attn.qkv_proj.dequantize(), expected_weight)
+    parts = list(model.model.layers[0].self_attn.qkv_proj.parts)
+    stacked = stack_projections(parts)
+    assert isinstance(stacked, Int4Linear)
+    assert torch.equal(stacked.unpack_codes(), torch.cat([p.unpack_codes() for p in parts]))
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
 
 
-def test_fusion_is_idempotent_and_skips_mixed_layers(tiny_models):
-    model, _ = _load(tiny_models, "llama")
-    layer = model.model.layers[0]
-    layer.self_attn.k_proj = Int8Linear.from_float(layer.self_attn.k_proj.weight.data)  # mixed q/k/v formats
-    fuse_projections(model)
-    assert hasattr(layer.self_attn, "q_proj") and not hasattr(layer.self_attn, "qkv_proj")
-    assert hasattr(layer.mlp, "gate_up_proj")
-    fused = model.model.layers[1].mlp.gate_up_proj
-    fuse_projections(model)
-    assert model.model.layers[1].mlp.gate_up_proj is fused
+def test_parts_that_cannot_be_stacked_stay_side_by_side(tiny_models):
+    model, _ = _load(tiny_models, "llama", fuse=False)
+    q, k, v = model.model.layers[0].self_attn.qkv_proj.parts
+    mixed = [q, Int8Linear.from_float(k.weight.data), v]  # mixed q/k/v formats (a Q4_K_M file's Q6_K v)
+    concat = stack_projections(mixed)
+    assert isinstance(concat, ConcatLinear) and list(concat.parts) == mixed
+    assert (concat.in_features, concat.out_features) == (q.in_features, sum(p.out_features for p in mixed))
+    x = torch.randn(2, 3, q.in_features, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(concat(x), torch.cat([p(x) for p in mixed], dim=-1), atol=0, rtol=0)
+    assert isinstance(stack_projections([q, k, v]), nn.Linear)
+    assert isinstance(stack_projections([q, k, v], fuse=False), ConcatLinear)  # fuse=False: same layout
 
 
-def test_fused_projection_lives_on_its_layers_device(tiny_models):
-    model, _ = _load(tiny_models, "llama")
-    model.model.layers[1].to(torch.float64)  # a layer changed after loading (stands in for a move)
-    fuse_projections(model)
-    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
-    assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.float64
-    for layer in model.model.layers:
-        assert layer.self_attn.qkv_proj.weight.device == layer.input_layernorm.weight.device
+def test_stacked_projection_keeps_its_parts_device_and_dtype(tiny_models):
+    model, _ = _load(tiny_models, "llama", fuse=False)
+    parts = [p.to(torch.float64) for p in model.model.layers[1].self_attn.qkv_proj.parts]
+    stacked = stack_projections(parts)
+    assert stacked.weight.dtype == torch.float64 and stacked.weight.device == parts[0].weight.device
 
 
-# ---- the whole transform, parity with transformers ----------------------------------------------
+# ---- every backend, parity with transformers ------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
-def test_speed_transforms_keep_parity_with_transformers(tiny_models, arch):
+def test_runner_keeps_parity_with_transformers(tiny_models, arch):
     model, hf_model = _load(tiny_models, arch)
-    apply_speed_transforms(model, fuse=True)
-    assert model.speed_report.fused and model.speed_report.seconds >= 0
+    runner = _runner(model, "auto")
     ids = _prompt(model, 40)
     with torch.inference_mode():
         expected = hf_model(ids).logits
-    logits, _ = _prefill_and_greedy(model, ids, steps=0)
+    logits, _ = _prefill_and_greedy(runner, ids, steps=0)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow
 def test_compiled_decode_step_equals_eager(tiny_models):
-    eager, _ = _load(tiny_models, "qwen2")
-    compiled, _ = _load(tiny_models, "qwen2")
-    apply_speed_transforms(eager, fuse=True, native_decode=False)  # else native steps would take the decode
-    apply_speed_transforms(compiled, fuse=True, native_decode=False, compile=True)
-    assert compiled.speed_report.compiled
-    ids = _prompt(eager)
+    model, _ = _load(tiny_models, "qwen2")
+    eager, compiled = _runner(model, "eager"), _runner(model, "compiled")
+    assert compiled.report.backend == "compiled"
+    ids = _prompt(model)
     ref_logits, ref_tokens = _prefill_and_greedy(eager, ids, steps=6)
     logits, tokens = _prefill_and_greedy(compiled, ids, steps=6)
     assert tokens == ref_tokens
@@ -182,9 +186,7 @@ def test_quantized_kv_attention_from_codes_matches_dequantize_all(bits, group_si
 def test_default_model_fused_int4_generates_the_same_tokens():
     from hybridllm import LLM, SamplingParams
 
-    llm = LLM(weights="auto", threads=2)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompt = [{"role": "user", "content": "What is the capital of France?"}]
-    before = llm.generate(prompt, params).token_ids
-    apply_speed_transforms(llm.model, fuse=True)
-    assert llm.generate(prompt, params).token_ids == before
+    separate = LLM(weights="auto", threads=2, fuse=False, native_decode=False).generate(prompt, params).token_ids
+    assert LLM(weights="auto", threads=2, native_decode=False).generate(prompt, params).token_ids == separate

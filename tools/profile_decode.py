@@ -7,7 +7,7 @@
 
 Each variant loads its own copy of the model (``LLM(weights=...)``), prefills a random prompt of
 ``--context`` tokens, and then times ``--steps`` greedy decode steps (``model.forward`` on one
-token, argmax; no tokenizer, no sampler) ``--rounds`` times, interleaving the variants so that
+token through the runner, argmax; no tokenizer, no sampler) ``--rounds`` times, interleaving the variants so that
 the noise of a shared machine falls on all of them alike. Prints the best and the median
 ms/token per variant. ``--profile`` adds a torch.profiler table of one round per variant and
 a per-category breakdown (matmuls, attention, elementwise, casts, ...).
@@ -23,7 +23,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hybridllm import LLM
-from hybridllm.engine.speed import apply_speed_transforms
 
 CATEGORIES = {
     "int4 matmul": ("_weight_int4pack_mm",),
@@ -36,13 +35,13 @@ CATEGORIES = {
 
 
 def build(args: argparse.Namespace, variant: str):
-    # fuse=False, native_decode=False: LLM applies both by default; each variant applies its own below
-    llm = LLM(weights=args.weights, threads=args.threads, kv_cache=args.kv_cache, fuse=False, native_decode=False,
-              **_kv_options(args))
+    # each variant: stacked projections or not (a load option), and its decode backend
     parts = set(variant.split("+"))
+    backend = "native" if "native" in parts else "compiled" if "compile" in parts else "eager"
     t0 = time.perf_counter()
-    model = apply_speed_transforms(llm.model, fuse="fuse" in parts, native_decode="native" in parts,
-                                   compile="compile" in parts)
+    llm = LLM(weights=args.weights, threads=args.threads, kv_cache=args.kv_cache, fuse="fuse" in parts,
+              decode_backend=backend, **_kv_options(args))
+    model = llm.runner
     cache = llm.new_cache()
     cache.reserve(args.context + args.steps * (args.rounds + 2) + 8)
     seeded = torch.Generator().manual_seed(0)

@@ -5,7 +5,7 @@
 Builds the kernels with ``-DHL_PROFILE`` (thread 0 accumulates the time between the phases'
 barriers with ``omp_get_wtime``; the default build has no timers), loads ``LLM(weights="auto")``
 on it, prefills a random prompt of ``--context`` tokens and times ``--steps`` decode steps
-(``model.forward`` on one token; no sampler). "between steps" is everything outside the kernel
+(the runner on one token; no sampler). "between steps" is everything outside the kernel
 call: the embedding lookup, the rotary tables, claiming the cache rows, Python.
 """
 
@@ -32,11 +32,11 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     profiled = build.build_library(("-DHL_PROFILE",))
-    native.load_decode_library = lambda: profiled  # enable_native_decode builds its steps on this library
-    llm = LLM(args.model, weights="auto", threads=args.threads)
-    model = llm.model
-    if "native_model" not in model.__dict__:
-        raise SystemExit("the model has no whole native decode step (see model.speed_report.native)")
+    native.load_decode_library = lambda: profiled  # build_native_steps builds its steps on this library
+    llm = LLM(args.model, weights="auto", threads=args.threads, decode_backend="native")
+    model = llm.runner
+    if not model.report.build.whole_step:
+        raise SystemExit(f"the model has no whole native decode step ({model.report.build.skipped})")
     cache = llm.new_cache()
     cache.reserve(args.context + args.steps + 16)
     seeded = torch.Generator().manual_seed(0)

@@ -1,11 +1,11 @@
 """Native decode steps on the host: each host layer's one-token step in one C++ call.
 
-    report = enable_native_decode(model)   # a transform, like fuse_projections
-    report.layers                          # how many layers got a native step
+    steps = build_native_steps(model)   # nothing is attached to the model
+    steps.report.layers                 # how many layers got a native step
 
 A decode step of a Llama layer in eager PyTorch is ~190 operator calls (norms, projections,
 rotary, cache writes, attention, MLP), and at small models the per-call cost (Python, dispatch,
-thread wake-ups) is most of the step. :func:`enable_native_decode` gives every decoder layer
+thread wake-ups) is most of the step. :func:`build_native_steps` gives every decoder layer
 whose weights live on the CPU a :class:`NativeDecodeLayer`: the layer's weights described once
 as raw pointers for ``hl_decode_layer`` (``decode.cpp``), which runs the whole layer (norm,
 q/k/v, rotary, writing k/v into the cache, grouped-query attention, output projection, MLP) for
@@ -14,7 +14,8 @@ output head gets a :class:`NativeHead` (``hl_linear``). When every layer and the
 native, :class:`NativeModel` runs the whole token (``hl_decode_model``) in one call and one
 parallel region; otherwise (a GPU/host split) each native layer steps on its own.
 
-The step is taken only when it applies, otherwise the layer runs its PyTorch code:
+The native decode backend (``hybridllm.runtime.backends.native``) takes a step only when it
+applies, otherwise the layer runs its PyTorch code:
 batch 1, one token, float32 activations, and a cache whose layer can be written in place
 (:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on the
 host). Prefill chunks, batches, GPU layers and the paged/tiered/quantized strategies keep the
@@ -27,8 +28,9 @@ Weights the kernels read:
   bfloat16 scale/zero, the values the PyTorch kernel uses, then GGUF-style nibbles; one
   sequential stream per thread reads faster than one stream per row). PyTorch's packed copy
   stays for prefill (its bfloat16 kernel is 1.3-3x faster than anything tried here below ~1K
-  prompt tokens). The copy is registered as buffers of the layer, so the host tier counts it,
-  and ``hybridllm.placement.apply.decode_weight_bytes`` counts what a decode step reads;
+  prompt tokens). The step owns the copy (``NativeDecodeLayer.copy_bytes``); the placement's
+  tier accounting counts it, and ``hybridllm.placement.apply.decode_weight_bytes`` counts what a
+  decode step reads;
 - ``Int8Linear`` codes (no copy) with float32 row scales; the ``Int8GroupedLinear`` head/
   embedding table (no copy).
 """
@@ -46,6 +48,7 @@ from torch import nn
 
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
 from hybridllm.kvcache.base import KVCache
+from hybridllm.models.fuse import ConcatLinear
 from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -213,32 +216,23 @@ def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
     return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
-def _not_copied(native: object, memo: dict) -> None:
-    """A copy of a model gets no native steps: they point at the original's tensors (and may
-    describe another device). The copy's owner applies the transform again (as ``LLM`` does to
-    the host decode copy); the attribute becomes None, which the model reads as "not native"."""
-    memo[id(native)] = None
-    return None
-
-
 # ---- one decoder layer ---------------------------------------------------------------------
-class NativeDecodeLayer(nn.Module):
-    """A decoder layer's one-token step in one kernel call; its int4 copies are its buffers."""
+class NativeDecodeLayer:
+    """A decoder layer's one-token step in one kernel call; owns the weight copies it reads."""
 
     def __init__(self, layer: nn.Module, library: ctypes.CDLL) -> None:
-        super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp  # fused (enable_native_decode checks)
+        attn, mlp = layer.self_attn, layer.mlp
         if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
+        if isinstance(attn.qkv_proj, ConcatLinear) or isinstance(mlp.gate_up_proj, ConcatLinear):
+            raise ValueError("projections are not stacked into one matrix")
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
             raise ValueError("norms are not float32 on the CPU")
         views = [linear_view(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         owned = {t.data_ptr() for t in itertools.chain(layer.parameters(), layer.buffers())}
-        for i, view in enumerate(views):  # int4 block copies are real host memory: count them
-            for j, tensor in enumerate(view.keep):
-                if tensor.data_ptr() not in owned:
-                    self.register_buffer(f"copy_{i}_{j}", tensor, persistent=False)
+        # int4 block copies are real host memory: the tier accounting counts them
+        self.copies = [t for view in views for t in view.keep if t.data_ptr() not in owned]
         self.library = library
         self.layer_idx = attn.layer_idx
         self.struct = HLDecoderLayer(
@@ -246,6 +240,11 @@ class NativeDecodeLayer(nn.Module):
             norms[0].data_ptr(), norms[1].data_ptr(), layer.input_layernorm.eps,
             attn.n_heads, attn.n_kv_heads, attn.head_dim, norms[0].numel(), mlp.down_proj.in_features)
         self._keep = [t for view in views for t in view.keep]
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the weight copies this step made (0 where it reads the weights in place)."""
+        return sum(t.numel() * t.element_size() for t in self.copies)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x (1, 1, hidden) float32 on the CPU -> the layer's output; appends this token's k/v."""
@@ -263,56 +262,43 @@ class NativeDecodeLayer(nn.Module):
         return (x.shape[0] == 1 and x.shape[1] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
                 and cos.dtype == torch.float32 and cache.supports_in_place(self.layer_idx))
 
-    def extra_repr(self) -> str:
-        return f"layer={self.layer_idx}, kernel=hl_decode_layer"
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return _not_copied(self, memo)
+    def __repr__(self) -> str:
+        return f"NativeDecodeLayer(layer={self.layer_idx}, kernel=hl_decode_layer)"
 
 
-class NativeHead(nn.Module):
+class NativeHead:
     """The output head's one-row product through ``hl_linear`` (other shapes: the module itself)."""
 
     def __init__(self, head: nn.Module, library: ctypes.CDLL) -> None:
-        super().__init__()
         self.view = linear_view(head)
         self.library = library
 
     def applies(self, x: torch.Tensor) -> bool:
         return x.shape[:-1].numel() == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
 
-    def __deepcopy__(self, memo: dict) -> None:
-        return _not_copied(self, memo)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return linear(self.view, x, library=self.library)
 
 
 class NativeModel:
     """A whole decode step (every layer, final norm, head) in one kernel call.
 
-    Used by ``LlamaForCausalLM.forward`` when every layer and the head have native steps and
-    the cache serves every layer in place: per token, Python only looks up the embedding and
-    the rotary tables and claims each layer's cache row.
+    Used when every layer and the head have native steps and the cache serves every layer in
+    place: per token, Python only looks up the embedding and the rotary tables and claims each
+    layer's cache row.
     """
 
-    def __init__(self, model: nn.Module, layers: list[NativeDecodeLayer], head: NativeHead,
+    def __init__(self, final_norm: nn.Module, layers: list[NativeDecodeLayer], head: NativeHead,
                  library: ctypes.CDLL) -> None:
         self.library = library
         self.layers = layers
         self.structs = (HLDecoderLayer * len(layers))(*(layer.struct for layer in layers))
         self.caches = (HLLayerCache * len(layers))()
         self.head = head
-        self.final_norm = model.model.norm
-        # Hidden-state bytes a step moves between tiers (counted as the PyTorch path counts them).
-        tiers = [model.embed_tier, *model.layer_tiers, model.head_tier]
-        self.tier_changes = sum(a != b for a, b in zip(tiers, tiers[1:]))
+        self.final_norm = final_norm
 
-    def __deepcopy__(self, memo: dict) -> None:
-        return _not_copied(self, memo)
-
-    def applies(self, input_ids: torch.Tensor, cache: KVCache) -> bool:
-        return (input_ids.shape == (1, 1) and input_ids.device.type == "cpu"
+    def applies(self, input_ids: torch.Tensor, x: torch.Tensor, cache: KVCache) -> bool:
+        return (input_ids.shape == (1, 1) and input_ids.device.type == "cpu" and x.dtype == torch.float32
                 and all(cache.supports_in_place(layer.layer_idx) for layer in self.layers))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -331,10 +317,10 @@ class NativeModel:
         return logits
 
 
-# ---- the transform -------------------------------------------------------------------------
+# ---- building the steps of a model -----------------------------------------------------------
 @dataclass
 class NativeReport:
-    """What :func:`enable_native_decode` did."""
+    """What :func:`build_native_steps` built."""
 
     layers: int = 0
     head: bool = False
@@ -344,51 +330,56 @@ class NativeReport:
     skipped: list[str] = field(default_factory=list)
 
 
-def enable_native_decode(model: nn.Module) -> NativeReport:
-    """Give every CPU-resident float32 layer (and the head) a native decode step, in place.
+@dataclass
+class NativeSteps:
+    """The native steps of one model: per layer index, the head, and the whole-token step."""
 
-    The kernels read one stacked q/k/v and gate/up projection per layer: run
-    :func:`hybridllm.models.fuse.fuse_projections` first (unfused layers keep their PyTorch
-    step). A second call rebuilds the steps from the current weights. Raises
-    :class:`KernelBuildError` when the kernels cannot be built; layers the kernels do not
-    support are listed in ``report.skipped`` and keep their PyTorch step.
+    layers: dict[int, NativeDecodeLayer]
+    head: NativeHead | None
+    whole: NativeModel | None
+    report: NativeReport
+
+
+def build_native_steps(model: nn.Module) -> NativeSteps:
+    """Native decode steps for every CPU-resident float32 layer (and the head) of ``model``.
+
+    The kernels read one stacked q/k/v and gate/up matrix per layer (a ``ConcatLinear`` keeps
+    its PyTorch step). The model is not changed. Raises :class:`KernelBuildError` when the
+    kernels cannot be built; layers the kernels do not support are listed in
+    ``report.skipped`` and keep their PyTorch step.
     """
     loaded: LoadedLibrary = load_decode_library()
     library = _declare(loaded.library)
     report = NativeReport(build_seconds=loaded.build_seconds)
-    model.__dict__.pop("native_model", None)  # steps of an earlier call describe earlier weights
-    model._modules.pop("native_head", None)
+    layers: dict[int, NativeDecodeLayer] = {}
     for layer in model.model.layers:
-        layer._modules.pop("native_step", None)
         if layer.input_layernorm.weight.device.type != "cpu":
-            continue
-        if not (hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj")):
-            report.skipped.append(f"layer {layer.self_attn.layer_idx}: projections are not fused")
             continue
         try:
             native = NativeDecodeLayer(layer, library)
         except ValueError as exc:
             report.skipped.append(f"layer {layer.self_attn.layer_idx}: {exc}")
             continue
-        layer.native_step = native
+        layers[native.layer_idx] = native
         report.layers += 1
-        report.copy_bytes += sum(b.numel() * b.element_size() for b in native.buffers())
-    head = model.lm_head
-    if head.weight.device.type == "cpu":
+        report.copy_bytes += native.copy_bytes
+    head = None
+    if model.lm_head.weight.device.type == "cpu":
         try:
-            model.native_head = NativeHead(head, library)
+            head = NativeHead(model.lm_head, library)
             report.head = True
         except ValueError as exc:
             report.skipped.append(f"head: {exc}")
-    natives = [layer._modules.get("native_step") for layer in model.model.layers]
-    if report.head and all(n is not None for n in natives) and \
-            model.model.norm.weight.dtype == torch.float32 and model.model.norm.weight.device.type == "cpu":
-        model.native_model = NativeModel(model, natives, model.native_head, library)
+    whole = None
+    norm = model.model.norm
+    if head is not None and len(layers) == len(model.model.layers) and \
+            norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu":
+        whole = NativeModel(norm, [layers[i] for i in sorted(layers)], head, library)
         report.whole_step = True
     if report.skipped:
         logger.info("native decode: kept the PyTorch step for %s", "; ".join(report.skipped))
-    return report
+    return NativeSteps(layers, head, whole, report)
 
 
-__all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "attention",
-           "enable_native_decode", "float32_view", "linear", "linear_view", "pack_int4_blocks"]
+__all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "NativeSteps",
+           "attention", "build_native_steps", "float32_view", "linear", "linear_view", "pack_int4_blocks"]

@@ -13,7 +13,9 @@ time, so no float copy of a quantized matrix is ever made:
   table run through the int8 kernel.
 
 Q/K rows of ``llama``-architecture GGUF files are un-permuted on the raw row blocks (rows are
-independent, so the permutation commutes with block quantization).
+independent, so the permutation commutes with block quantization). The separate q/k/v and
+gate/up modules are then stacked (``hybridllm.loading.skeleton.assemble``): into one matrix where
+their types agree, else kept side by side in a ``ConcatLinear``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 
 from hybridllm.formats.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
 from hybridllm.formats.gguf_qk_permutation import unpermute_rows
-from hybridllm.models.layers import RotaryEmbedding
+from hybridllm.loading.skeleton import HEAD, assemble, load_tensors, prepare_skeleton, progress
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.models.quantized import (
     Int4Linear,
@@ -49,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 EMBEDDING = "model.embed_tokens.weight"
-HEAD = "lm_head.weight"
 ROW_CHUNK = 2048  # rows requantized at a time (bounds the float scratch of big matrices)
 
 
@@ -91,20 +92,20 @@ def load_quantized_model(
     cold_start: ColdStart | None = None,
     show_progress: bool | None = None,
     weights: str = "auto",
+    fuse: bool = True,
 ) -> LlamaForCausalLM:
     """Like :func:`hybridllm.loading.loader.load_model`, with weights kept quantized per ``weights``."""
-    from hybridllm.loading.loader import _progress, prepare_skeleton
-
     check_weights_mode(weights)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
-    model, expected, names, show_progress, total = prepare_skeleton(checkpoint, show_progress)
+    skeleton = prepare_skeleton(checkpoint, show_progress)
 
     state: dict[str, torch.Tensor] = {}
+    modules: dict[str, nn.Module] = {}  # quantized modules by checkpoint module name
     fallbacks: Counter[tuple[str, str]] = Counter()
-    with _progress(show_progress, total, checkpoint.path.name) as advance:
-        for file_name, param_name in names.items():
-            if param_name not in expected:
+    with progress(skeleton.show_progress, skeleton.total, checkpoint.path.name) as advance:
+        for file_name, param_name in skeleton.names.items():
+            if param_name not in skeleton.expected:
                 continue
             t0 = time.perf_counter()
             raw = checkpoint.read(file_name)
@@ -125,7 +126,7 @@ def load_quantized_model(
                 state[param_name] = tensor.to(device)
             else:
                 t2 = time.perf_counter()
-                _set_submodule(model, param_name.removesuffix(".weight"), module)
+                modules[param_name.removesuffix(".weight")] = module
             synchronize(device)
             t3 = time.perf_counter()
             cold_start.read_s += t1 - t0
@@ -138,22 +139,19 @@ def load_quantized_model(
         logger.warning("weights: %d %s tensor(s) without %s run as %s", count, type_name, what,
                        str(dtype).removeprefix("torch."))
 
-    # quantized modules with a bias get a slot for it (their codes are non-persistent buffers)
-    for name, module in model.named_modules():
-        if isinstance(module, (Int4Linear, Int8Linear, Int8GroupedLinear)) and f"{name}.bias" in state:
-            module.bias = nn.Parameter(torch.empty(module.out_features, device="meta"), requires_grad=False)
+    model = skeleton.model
+    assemble(model, state, modules, fuse)
     embed = model.model.embed_tokens
     if config.tie_word_embeddings:
         if isinstance(embed, Int8Embedding):
             model.lm_head = embed.tied_head()
         else:
             state[HEAD] = state[EMBEDDING]
-    model.load_state_dict(state, strict=True, assign=True)
+    load_tensors(model, state)
     if config.tie_word_embeddings and not isinstance(embed, Int8Embedding):
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config)  # buffers were built on the meta device
     release_load_scratch(checkpoint)
-    return model.eval()
+    return model
 
 
 def release_load_scratch(checkpoint=None) -> None:
@@ -181,12 +179,6 @@ def release_load_scratch(checkpoint=None) -> None:
             mapped.madvise(mmap.MADV_DONTNEED)
         except (OSError, ValueError):
             pass
-
-
-def _set_submodule(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent_path, _, attr = path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, attr, module)
 
 
 def _raw_rows(checkpoint, file_name: str, raw) -> torch.Tensor | None:

@@ -109,7 +109,7 @@ class RandomCheckpoint:
         self.std = std
         with torch.device("meta"):  # shapes only: no memory
             meta = LlamaForCausalLM(self.config)
-        self._shapes = {name: tuple(p.shape) for name, p in meta.named_parameters()}
+        self._shapes = meta.checkpoint_shapes()  # the checkpoint (Hugging Face) names
         if self.config.tie_word_embeddings:
             self._shapes.pop("lm_head.weight", None)
 

@@ -1,70 +1,49 @@
-"""Fused projections: q/k/v into one matrix and gate/up into one, per layer, after loading.
+"""Stacked projections: q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` per layer.
 
 A decode step multiplies one token by every projection, so each separate projection is one
 more operator call (and, for the quantized kernels, one more cast of the activations to the
-kernel dtype and one more pass of the thread pool). Stacking the output rows of projections
-that read the same input turns 5 calls per layer into 2 with the same arithmetic:
+kernel dtype and one more pass of the thread pool). The model has one layout: the loaders read
+the checkpoint's separate projections and stack the output rows of those that read the same
+input (:func:`stack_projections`), turning 5 calls per layer into 2 with the same arithmetic:
 
 - ``nn.Linear``: the weights (and biases) are concatenated along the output rows.
-- :class:`~hybridllm.models.quantized.Int4Linear`: each layer's codes are read back exactly
+- :class:`~hybridllm.models.quantized.Int4Linear`: each part's codes are read back exactly
   (``unpack_codes``), concatenated, and packed again; the group-wise scales and zeros are
-  concatenated along the output axis. Group-wise int4 has no per-matrix state, so the fused
+  concatenated along the output axis. Group-wise int4 has no per-matrix state, so the stacked
   product equals the separate ones (up to the kernel's own summation order).
 - :class:`~hybridllm.models.quantized.Int8Linear`: codes and per-row scales are concatenated.
 
-Fusion runs per layer on the device that layer's weights are on, so it works after a
-placement moved layers to different devices. Projections whose types or kernel settings
-differ are left unfused. ``Attention.forward`` and ``SwiGLU.forward`` use ``qkv_proj`` /
-``gate_up_proj`` when present.
+Parts that cannot be stacked (different types or kernel settings, e.g. a Q6_K ``v_proj`` in a
+Q4_K_M file), or a load asked not to (``fuse=False``), become a :class:`ConcatLinear`: the same
+interface, the parts kept separate, their outputs concatenated.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 from torch import nn
 
 from hybridllm.models.quantized import Int4Linear, Int8Linear, _int4_pack
 
-logger = logging.getLogger(__name__)
+
+class ConcatLinear(nn.Module):
+    """Separate projections of one input seen as one: ``cat([p(x) for p in parts], -1)``."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)  # (..., sum of out_features)
 
 
-def fuse_projections(model: nn.Module) -> nn.Module:
-    """Fuse q/k/v and gate/up of every decoder layer of a Llama-family ``model`` in place.
-
-    Returns the model. Idempotent: layers already fused are skipped.
-    """
-    fused_attn = fused_mlp = 0
-    for layer in model.model.layers:
-        fused_attn += fuse_attention(layer.self_attn)
-        fused_mlp += fuse_mlp(layer.mlp)
-    logger.info("fused q/k/v in %d layers and gate/up in %d layers", fused_attn, fused_mlp)
-    return model
-
-
-def fuse_attention(attn: nn.Module) -> bool:
-    """Replace ``q_proj``, ``k_proj``, ``v_proj`` by one ``qkv_proj``; True when fused."""
-    if hasattr(attn, "qkv_proj"):
-        return False
-    fused = concat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-    if fused is None:
-        return False
-    attn.qkv_proj = fused
-    del attn.q_proj, attn.k_proj, attn.v_proj
-    return True
-
-
-def fuse_mlp(mlp: nn.Module) -> bool:
-    """Replace ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``; True when fused."""
-    if hasattr(mlp, "gate_up_proj"):
-        return False
-    fused = concat_linears([mlp.gate_proj, mlp.up_proj])
-    if fused is None:
-        return False
-    mlp.gate_up_proj = fused
-    del mlp.gate_proj, mlp.up_proj
-    return True
+def stack_projections(parts: list[nn.Module], fuse: bool = True) -> nn.Module:
+    """One module computing ``cat([p(x) for p in parts], -1)``: a single stacked matrix when
+    ``fuse`` and the parts can be stacked, else a :class:`ConcatLinear` of the parts."""
+    stacked = concat_linears(parts) if fuse else None
+    return stacked if stacked is not None else ConcatLinear(parts)
 
 
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:

@@ -81,16 +81,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLU(nn.Module):
-    """The Llama MLP: down(silu(gate(x)) * up(x))."""
+    """The Llama MLP: down(silu(gate(x)) * up(x)), gate and up stacked in one projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if "gate_up_proj" in self._modules:  # fused by hybridllm.models.fuse
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., intermediate) each
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., intermediate) each
+        return self.down_proj(F.silu(gate) * up)

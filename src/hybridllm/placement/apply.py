@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.models.quantized import Int4Linear
 from hybridllm.placement.placement import Placement
+from hybridllm.runtime.backends.base import DecodeBackend
 
 LAYER_PREFIX = "model.layers."
 
@@ -49,12 +50,6 @@ def weight_device_for(placement: Placement, devices: TierDevices) -> Callable[[s
     return lambda name: devices.of(tier_of_parameter(name, placement))
 
 
-def assign_tiers(model: LlamaForCausalLM, placement: Placement) -> None:
-    """Tell the model the tier of each piece, so hidden-state hops between tiers are counted."""
-    model.embed_tier, model.head_tier = placement.embed_tier, placement.head_tier
-    model.layer_tiers = list(placement.layer_tiers)
-
-
 def place_tied_head(model: LlamaForCausalLM, placement: Placement, devices: TierDevices) -> None:
     """A head tied to the embedding is loaded with the embedding; give the head tier its own copy
     when the two tiers differ (llama.cpp does the same: the output matrix is per device)."""
@@ -80,17 +75,19 @@ def module_copy_on(module: nn.Module, device: torch.device) -> nn.Module:
     return copy.deepcopy(module, memo).to(device)
 
 
-def module_tiers(model: LlamaForCausalLM) -> list[tuple[nn.Module, str]]:
-    """Each top-level piece of the model with the tier it was given (:func:`assign_tiers`; the
-    rotary tables are not weights)."""
-    pieces: list[tuple[nn.Module, str]] = [(model.model.embed_tokens, model.embed_tier)]
-    pieces += list(zip(model.model.layers, model.layer_tiers))
-    pieces += [(model.model.norm, model.head_tier), (model.lm_head, model.head_tier)]
+def module_tiers(model: LlamaForCausalLM, placement: Placement) -> list[tuple[nn.Module, str]]:
+    """Each top-level piece of the model with its tier in ``placement`` (the rotary tables are
+    not weights)."""
+    pieces: list[tuple[nn.Module, str]] = [(model.model.embed_tokens, placement.embed_tier)]
+    pieces += list(zip(model.model.layers, placement.layer_tiers))
+    pieces += [(model.model.norm, placement.head_tier), (model.lm_head, placement.head_tier)]
     return pieces
 
 
-def weight_bytes_per_tier(model: LlamaForCausalLM) -> dict[str, int]:
-    """Bytes of weights (parameters and quantized buffers) per tier, by the model's own tiers.
+def weight_bytes_per_tier(model: LlamaForCausalLM, placement: Placement,
+                          backend: DecodeBackend | None = None) -> dict[str, int]:
+    """Bytes of weights (parameters and quantized buffers) per tier of ``placement``, plus the
+    weight copies a decode ``backend`` holds (the native kernels' int4 blocks) in their layer's tier.
 
     Tiers are logical: a tensor shared within a tier (a tied head) counts once, but a tier's
     own copy counts in that tier even where both tiers are the CPU (CPU as the device), so the
@@ -98,23 +95,26 @@ def weight_bytes_per_tier(model: LlamaForCausalLM) -> dict[str, int]:
     """
     out = {"device": 0, "host": 0}
     seen: set[tuple[str, object]] = set()
-    for piece, tier in module_tiers(model):
+    for piece, tier in module_tiers(model, placement):
         for tensor in itertools.chain(piece.parameters(), piece.buffers()):
             key = (tier, (str(tensor.device), tensor.untyped_storage().data_ptr()))
             if key in seen:
                 continue
             seen.add(key)
             out[tier] += tensor.numel() * tensor.element_size()
+    if backend is not None:
+        for layer_idx, nbytes in backend.layer_copy_bytes().items():
+            out[placement.layer_tiers[layer_idx]] += nbytes
     return out
 
 
-def decode_weight_bytes(model: LlamaForCausalLM) -> int:
+def decode_weight_bytes(model: LlamaForCausalLM, placement: Placement, backend: DecodeBackend) -> int:
     """Weight bytes one decode step reads: every weight once (as counted by
     :func:`weight_bytes_per_tier`), less the PyTorch-packed int4 weights of layers whose decode
-    step runs natively: those read their own copy (``hybridllm.kernels.native``) instead."""
-    total = sum(weight_bytes_per_tier(model).values())
+    step reads the backend's own copy instead (``hybridllm.kernels.native``)."""
+    total = sum(weight_bytes_per_tier(model, placement, backend).values())
     for layer in model.model.layers:
-        if layer._modules.get("native_step") is None:
+        if not backend.reads_copy(layer.self_attn.layer_idx):
             continue
         for module in layer.modules():
             if isinstance(module, Int4Linear):
@@ -123,12 +123,13 @@ def decode_weight_bytes(model: LlamaForCausalLM) -> int:
 
 
 def host_decode_model(model: LlamaForCausalLM, devices: TierDevices) -> LlamaForCausalLM:
-    """The model for decoding on the host after phase migration: every weight on the host.
+    """The model for decoding on the host after phase migration: a copy with every weight on the
+    host (weights already there are shared with ``model``; only device weights are copied).
+    Its runner takes :func:`all_on_host`."""
+    return module_copy_on(model, devices.host)
 
-    Weights already on the host are shared with ``model``; only device weights are copied.
-    """
-    clone = module_copy_on(model, devices.host)
-    clone.hop_bytes = 0
-    clone.embed_tier = clone.head_tier = "host"
-    clone.layer_tiers = ["host"] * len(clone.layer_tiers)
-    return clone
+
+def all_on_host(placement: Placement) -> Placement:
+    """``placement`` with every weight on the host (the host decode model's tiers)."""
+    n_layers = len(placement.layer_tiers)
+    return replace(placement, layer_tiers=["host"] * n_layers, embed_tier="host", head_tier="host")

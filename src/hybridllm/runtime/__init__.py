@@ -1,0 +1,1 @@
+"""The runtime: the model runner (walks the placement's tiers, counts hops) and the decode backends."""

@@ -31,7 +31,7 @@ from hybridllm.loading.loader import load_model
 from hybridllm.models.quantized import check_weights_mode, weights_format
 from hybridllm.placement.apply import (
     TierDevices,
-    assign_tiers,
+    all_on_host,
     decode_weight_bytes,
     host_decode_model,
     place_tied_head,
@@ -39,26 +39,8 @@ from hybridllm.placement.apply import (
     weight_device_for,
 )
 from hybridllm.placement.placement import TIER_NAMES, Placement
+from hybridllm.runtime.runner import ModelRunner, build_runner
 from hybridllm.runtime.runtime import Runtime
-
-
-class _InterimRunner:  # INTERIM until the runner lands
-    def __init__(self, model):
-        self.model = model
-
-    @property
-    def hop_bytes(self):
-        return self.model.hop_bytes
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-
-def build_runner(model, placement, devices, backend, fuse=True):  # INTERIM until the runner lands
-    from hybridllm.engine.speed import apply_speed_transforms
-    assign_tiers(model, placement)
-    return _InterimRunner(apply_speed_transforms(model, native_decode=backend in ("auto", "native"),
-                                                 compile=backend == "compiled", fuse=fuse))
 
 
 @dataclass(frozen=True)
@@ -131,26 +113,24 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     cold_start = ColdStart()
     devices = TierDevices(engine_config.torch_device)
     model = load_model(checkpoint, engine_config.torch_dtype, weight_device_for(placement, devices), cold_start,
-                       options.show_progress, weights=placement.weights)
+                       options.show_progress, weights=placement.weights, fuse=options.fuse)
     place_tied_head(model, placement, devices)
-    t0 = time.perf_counter()
-    runner = build_runner(model, placement, devices, options.decode_backend, options.fuse)
-    cold_start.compile_s = time.perf_counter() - t0
+    runner = build_runner(model, placement, devices, options.decode_backend)
+    cold_start.compile_s = runner.report.seconds
     t0 = time.perf_counter()
     tokenizer = checkpoint.tokenizer()
     cold_start.tokenizer_s = time.perf_counter() - t0
 
-    def build_host_runner() -> tuple[Any, dict[str, int]]:
-        host_model = host_decode_model(model, devices)  # INTERIM: tiers set by host_decode_model
-        from hybridllm.engine.speed import apply_speed_transforms
-        b = options.decode_backend
-        apply_speed_transforms(host_model, native_decode=b in ("auto", "native"), compile=b == "compiled", fuse=options.fuse)
-        return _InterimRunner(host_model), weight_bytes_per_tier(host_model)
+    def build_host_runner() -> tuple[ModelRunner, dict[str, int]]:
+        """The host runner of phase migration: a host copy of the device weights, its own backend."""
+        host_runner = build_runner(host_decode_model(model, devices), all_on_host(placement), devices,
+                                   options.decode_backend)
+        return host_runner, weight_bytes_per_tier(host_runner.model, host_runner.placement, host_runner.backend)
 
     runtime = Runtime(
         checkpoint=checkpoint, config=checkpoint.config, engine_config=engine_config, placement=placement,
         devices=devices, tokenizer=tokenizer, runner=runner, cold_start=cold_start,
-        weight_bytes=weight_bytes_per_tier(model), decode_weight_bytes=0,
+        weight_bytes=weight_bytes_per_tier(model, placement, runner.backend), decode_weight_bytes=0,
         weights_format=weights_format(model), build_host_runner=build_host_runner,
     )
     if placement.decode_on == "host":
@@ -158,8 +138,8 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         runtime.migration()
         cold_start.host_copy_s = time.perf_counter() - t0
     decoding = runtime.host_runner if runtime.host_runner is not None else runner
-    runtime.decode_weight_bytes = decode_weight_bytes(decoding.model)
-    if options.decode_backend == "compiled":
+    runtime.decode_weight_bytes = decode_weight_bytes(decoding.model, decoding.placement, decoding.backend)
+    if decoding.backend.compiles_lazily:
         t0 = time.perf_counter()
         warm_up(runtime)
         cold_start.compile_s += time.perf_counter() - t0

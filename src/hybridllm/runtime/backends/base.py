@@ -1,0 +1,78 @@
+"""The decode backend contract: how a decode step (one token per sequence) runs.
+
+The runner (:class:`hybridllm.runtime.runner.ModelRunner`) walks the layers tier by tier and
+hands every decode step's layers, and every forward's head, to its backend. A backend is built
+once for a model (at build time, not per step) and never changes the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from hybridllm.kvcache.base import KVCache
+from hybridllm.models.llama import DecoderLayer
+
+
+@dataclass
+class BackendReport:
+    """What building a backend did, for the cold start and the CLI/bench reports.
+
+    Attributes:
+        kernel_layers: layers whose decode step runs in the backend's own kernel.
+        head: whether the head's one-row product runs in the backend's own kernel.
+        whole_step: whether a whole decode step can run in one call.
+        build_seconds: compiling the backend's kernels (0: cached or none).
+        copy_bytes: bytes of weight copies the backend made for its kernels.
+        skipped: pieces that keep the PyTorch step, with why.
+        notes: anything else worth a line.
+    """
+
+    kernel_layers: int = 0
+    head: bool = False
+    whole_step: bool = False
+    build_seconds: float = 0.0
+    copy_bytes: int = 0
+    skipped: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class DecodeBackend(Protocol):
+    """Runs the decode steps of one model.
+
+    Attributes:
+        name: the registry name ("eager", "compiled", "native", ...).
+        report: what building it did.
+        compiles_lazily: its first steps compile (the build runs a warm-up step so that
+            compiling lands in the cold start, not in the first request's TTFT).
+    """
+
+    name: str
+    report: BackendReport
+    compiles_lazily: bool
+
+    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor | None:
+        """Logits (1, 1, vocab) of a whole decode step in one call, or None (no such step, or it
+        does not apply here): the runner then walks the layers. ``x``: the embedding (B, 1, hidden)."""
+        ...
+
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
+        """One layer of a decode step: x (B, 1, hidden) -> (B, 1, hidden)."""
+        ...
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (B, T, vocab) of normed hidden states (B, T, hidden) (every forward)."""
+        ...
+
+    def layer_copy_bytes(self) -> dict[int, int]:
+        """Bytes of weight copies the backend holds per layer index (counted in that layer's tier)."""
+        ...
+
+    def reads_copy(self, layer_idx: int) -> bool:
+        """Whether the layer's decode step reads the backend's copy instead of the model's packed
+        quantized weights (what one decode step reads: ``placement.apply.decode_weight_bytes``)."""
+        ...

@@ -1,0 +1,37 @@
+"""The eager backend: every decode step runs the model's own PyTorch layer code."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridllm.kvcache.base import KVCache
+from hybridllm.models.llama import DecoderLayer, LlamaForCausalLM
+from hybridllm.runtime.backends.base import BackendReport
+
+
+class EagerBackend:
+    """Decode steps in plain PyTorch (the reference every other backend is tested against)."""
+
+    name = "eager"
+    compiles_lazily = False
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.report = BackendReport()
+
+    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor | None:
+        return None
+
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
+        return layer(x, cos, sin, cache)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.head(x)
+
+    def layer_copy_bytes(self) -> dict[int, int]:
+        return {}
+
+    def reads_copy(self, layer_idx: int) -> bool:
+        return False

@@ -1,0 +1,63 @@
+"""The native backend: decode steps of host layers through the C++ kernels (``hybridllm.kernels``).
+
+Built once per model (:func:`hybridllm.kernels.native.build_native_steps`): a native step per
+CPU-resident float32 layer with stacked projections, the head, and the whole token in one call
+when every layer and the head are native. Each step runs natively only where it applies (batch
+1, one token, float32 activations on the CPU, a cache writable in place); otherwise that step
+runs the layer's PyTorch code, exactly as the eager backend would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridllm.kernels.native import build_native_steps
+from hybridllm.kvcache.base import KVCache
+from hybridllm.models.llama import DecoderLayer, LlamaForCausalLM
+from hybridllm.runtime.backends.base import BackendReport
+from hybridllm.runtime.backends.eager import EagerBackend
+
+
+class NativeBackend(EagerBackend):
+    """Native host kernels where they apply, the model's PyTorch code elsewhere.
+
+    Raises :class:`hybridllm.kernels.build.KernelBuildError` when the kernels cannot be built.
+    """
+
+    name = "native"
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__(model)
+        self.steps = build_native_steps(model)
+        built = self.steps.report
+        self.report = BackendReport(kernel_layers=built.layers, head=built.head, whole_step=built.whole_step,
+                                    build_seconds=built.build_seconds, copy_bytes=built.copy_bytes,
+                                    skipped=list(built.skipped))
+        if built.layers == 0:
+            self.report.notes.append("native decode: no host layer got a native step (reasons in skipped)")
+
+    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor | None:
+        whole = self.steps.whole
+        if whole is None or not whole.applies(input_ids, x, cache):
+            return None
+        return whole.decode(x, cos, sin, cache)
+
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
+        native = self.steps.layers.get(layer.self_attn.layer_idx)
+        if native is not None and native.applies(x, cos, cache):
+            return native.step(x, cos, sin, cache)  # the whole one-token step in one kernel call
+        return layer(x, cos, sin, cache)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        native = self.steps.head
+        if native is not None and native.applies(x):
+            return native(x)
+        return self.model.head(x)
+
+    def layer_copy_bytes(self) -> dict[int, int]:
+        return {idx: step.copy_bytes for idx, step in self.steps.layers.items() if step.copy_bytes}
+
+    def reads_copy(self, layer_idx: int) -> bool:
+        return layer_idx in self.steps.layers

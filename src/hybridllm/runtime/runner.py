@@ -1,0 +1,182 @@
+"""The model runner: one forward of a placed model, tier by tier, through its decode backend.
+
+    runner = build_runner(model, placement, devices, backend="auto")
+    logits = runner(input_ids, cache, start_pos)   # (B, 1, vocab) float32
+    runner.hop_bytes                               # hidden-state bytes moved between tiers so far
+
+The runner owns what the model does not know: the tier of each piece (embedding, every layer,
+final norm and head; from a :class:`~hybridllm.placement.placement.Placement`), the decode
+backend (chosen once, here) and the hop counter. It walks the placement's segments (contiguous
+runs of layers on one tier and device), moves the hidden states at segment boundaries and
+counts their bytes where the tier changes, even when the CPU plays the device (tiers are
+logical; the figures are the ones a real device would show).
+
+Prefill chunks (T > 1) run the model's own layer code; decode steps (T == 1) go through the
+backend: a whole-token call where it has one that applies, else layer by layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridllm.config import ModelConfig
+from hybridllm.kernels.build import KernelBuildError
+from hybridllm.kvcache.base import KVCache
+from hybridllm.models.llama import DecoderLayer, LlamaForCausalLM
+from hybridllm.placement.apply import TierDevices
+from hybridllm.placement.placement import Placement
+from hybridllm.runtime.backends import AUTO, BackendReport, DecodeBackend, backend_class, check_backend_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Contiguous layers on one tier and one device."""
+
+    tier: str
+    device: torch.device
+    layers: tuple[DecoderLayer, ...]
+
+
+@dataclass
+class RunnerReport:
+    """What :func:`build_runner` chose and built; ``seconds`` belongs in the cold-start figures.
+
+    Attributes:
+        backend: the decode backend chosen ("eager", "compiled", "native", ...).
+        requested: the backend asked for ("auto" or a name).
+        seconds: building the backend.
+        build: the backend's own report (kernel layers, head, whole step, copies, skipped).
+        notes: why the choice differs from the request, and the backend's notes.
+    """
+
+    backend: str
+    requested: str
+    seconds: float = 0.0
+    build: BackendReport = field(default_factory=BackendReport)
+    notes: list[str] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Runs a placed model: segments by tier, hidden-state hops counted, decode steps via a backend.
+
+    Args:
+        model: the model (weights already on their tiers' devices).
+        placement: the tier of each piece.
+        devices: the real device of each tier.
+        backend: the decode backend built for ``model``.
+        report: what the build chose.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, placement: Placement, devices: TierDevices,
+                 backend: DecodeBackend, report: RunnerReport | None = None) -> None:
+        placement.check_layer_count(model.config.n_layers)
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.placement = placement
+        self.devices = devices
+        self.backend = backend
+        self.report = report or RunnerReport(backend.name, backend.name)
+        self.hop_bytes = 0
+        self.segments = _segments(model, placement)
+        tiers = [placement.embed_tier, *placement.layer_tiers, placement.head_tier]
+        self._tier_changes = sum(a != b for a, b in zip(tiers, tiers[1:]))
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.model.compute_dtype
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, start_pos: int | torch.Tensor,
+                all_logits: bool = False) -> torch.Tensor:
+        """Run ``input_ids`` (B, T) at positions ``start_pos..start_pos+T-1``.
+
+        Args:
+            input_ids: (B, T) token ids (any device: they go to the embedding's).
+            cache: a ``KVCache`` or a ``kvcache.batch.BatchedCaches``.
+            start_pos: an int shared by the batch, or a (B,) tensor with one start per row.
+            all_logits: logits of every position, else of the last one only.
+        Returns:
+            float32 logits (B, T or 1, vocab) on the head's device.
+        """
+        model, backend = self.model, self.backend
+        seq = input_ids.shape[1]
+        decode = seq == 1
+        x = model.embed(input_ids)  # (B, T, hidden)
+        tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        if decode:
+            tables[x.device] = model.rotary_tables(start_pos, seq, x.dtype, x.device)
+            logits = backend.token_step(input_ids, x, *tables[x.device], cache)
+            if logits is not None:  # the whole token in one call: the hops it made are the placement's
+                self.hop_bytes += self._tier_changes * x.numel() * x.element_size()
+                return logits
+        tier = self.placement.embed_tier
+        for segment in self.segments:
+            x = self._hop(x, segment.device, tier != segment.tier)
+            tier = segment.tier
+            if segment.device not in tables:
+                tables[segment.device] = model.rotary_tables(start_pos, seq, x.dtype, segment.device)
+            cos, sin = tables[segment.device]
+            for layer in segment.layers:
+                x = backend.layer_step(layer, x, cos, sin, cache) if decode else layer(x, cos, sin, cache)
+        if not all_logits:
+            x = x[:, -1:, :]
+        x = self._hop(x, model.model.norm.weight.device, tier != self.placement.head_tier)
+        x = model.final_norm(x)
+        x = self._hop(x, model.lm_head.weight.device, False)  # the norm and the head share a tier
+        return backend.head(x)
+
+    __call__ = forward
+
+    def _hop(self, x: torch.Tensor, device: torch.device, crosses_tiers: bool) -> torch.Tensor:
+        """``x`` on ``device``; its bytes count as moved when it changes device or tier."""
+        if crosses_tiers or x.device != device:
+            self.hop_bytes += x.numel() * x.element_size()
+        return x if x.device == device else x.to(device)
+
+
+def _segments(model: LlamaForCausalLM, placement: Placement) -> list[Segment]:
+    """The layers grouped into runs of one tier and one device, in order."""
+    runs: list[tuple[str, torch.device, list[DecoderLayer]]] = []
+    for layer, tier in zip(model.layers, placement.layer_tiers):
+        if runs and runs[-1][0] == tier and runs[-1][1] == layer.device:
+            runs[-1][2].append(layer)
+        else:
+            runs.append((tier, layer.device, [layer]))
+    return [Segment(tier, device, tuple(layers)) for tier, device, layers in runs]
+
+
+def build_runner(model: LlamaForCausalLM, placement: Placement, devices: TierDevices,
+                 backend: str = AUTO) -> ModelRunner:
+    """The runner of ``model`` placed by ``placement``, with its decode backend built.
+
+    Args:
+        model: the loaded model (weights on their tiers' devices).
+        placement: the tier of each piece.
+        devices: the real device of each tier.
+        backend: "auto" (native when any layer or the head is on the CPU and the kernels build,
+            else eager), or a registered name ("eager", "compiled", "native"). Where the native
+            kernels cannot be built, a warning is logged and the eager backend runs.
+    Raises:
+        ConfigError: an unknown backend name.
+    """
+    check_backend_name(backend)
+    t0 = time.perf_counter()
+    chosen = backend
+    if backend == AUTO:
+        computing = [*placement.layer_tiers, placement.head_tier]  # the pieces a decode step computes on
+        chosen = "native" if any(devices.of(tier).type == "cpu" for tier in computing) else "eager"
+    notes: list[str] = []
+    try:
+        built = backend_class(chosen)(model)
+    except KernelBuildError as exc:
+        logger.warning("native decode kernels unavailable, using PyTorch decode steps: %s", exc)
+        notes.append(f"native decode unavailable: {exc}")
+        chosen = "eager"
+        built = backend_class(chosen)(model)
+    report = RunnerReport(chosen, backend, time.perf_counter() - t0, built.report, notes + built.report.notes)
+    return ModelRunner(model, placement, devices, built, report)
