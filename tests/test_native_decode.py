@@ -354,7 +354,7 @@ def test_host_decode_copy_gets_its_own_native_steps(tiny_models, monkeypatch):
     gguf = str(tiny_models["llama"][1])
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm = LLM(gguf, threads=2, n_gpu_layers=1, decode_on="host")
-    decode_runner = llm.phase_migration().decode_model
+    decode_runner = llm.phase_migration().runner
     assert decode_runner.model is not llm.model
     assert decode_runner.placement.layer_tiers == ["host", "host"]
     assert decode_runner.report.build.whole_step  # built for the copy: every layer is on the host

@@ -14,7 +14,7 @@ from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
 from hybridllm.kernels import build
 from hybridllm.kvcache import DynamicCache, KVSpec
-from hybridllm.llm import resolve_decode_backend
+from hybridllm.runtime.build import resolve_decode_backend
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
 from hybridllm.models.llama import LlamaForCausalLM

@@ -19,7 +19,7 @@ from hybridllm.kvcache.base import KVCache, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
 from hybridllm.loading.registry import open_checkpoint
 from hybridllm.placement.placement import Placement
-from hybridllm.runtime.build import BuildOptions, backend_name, build_runtime, resolve_placement
+from hybridllm.runtime.build import BuildOptions, build_runtime, resolve_decode_backend, resolve_placement
 from hybridllm.runtime.migration import PhaseMigration
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -79,10 +79,10 @@ class LLM:
         **kv_options: Any,
     ) -> None:
         engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads)
+        options = BuildOptions(fuse=fuse, decode_backend=resolve_decode_backend(decode_backend, native_decode, compile),
+                               show_progress=show_progress)
         checkpoint = open_checkpoint(model)
         chosen = resolve_placement(checkpoint.config.n_layers, placement, n_gpu_layers, decode_on, weights, kv_options)
-        options = BuildOptions(fuse=fuse, decode_backend=backend_name(decode_backend, native_decode, compile),
-                               show_progress=show_progress)
         self.runtime = build_runtime(checkpoint, engine_config, chosen, options)
         self.engine = LLMEngine(self.runtime)
 

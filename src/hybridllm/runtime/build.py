@@ -39,6 +39,7 @@ from hybridllm.placement.apply import (
     weight_device_for,
 )
 from hybridllm.placement.placement import TIER_NAMES, Placement
+from hybridllm.runtime.backends import AUTO, check_backend_name
 from hybridllm.runtime.runner import ModelRunner, build_runner
 from hybridllm.runtime.runtime import Runtime
 
@@ -55,18 +56,20 @@ class BuildOptions:
     """
 
     fuse: bool = True
-    decode_backend: str = "auto"
+    decode_backend: str = AUTO
     show_progress: bool | None = None
 
 
-def backend_name(decode_backend: str = "auto", native_decode: bool = True, compile: bool = False) -> str:
-    """The decode backend the facade's flags ask for: an explicit name wins; else ``compile``
-    means "compiled", ``native_decode=False`` means "eager", and "auto" picks per machine."""
-    if decode_backend != "auto":
-        return decode_backend
+def resolve_decode_backend(decode_backend: str = AUTO, native_decode: bool = True, compile: bool = False) -> str:
+    """The decode backend the facade's flags ask for: ``compile=True`` means "compiled",
+    ``native_decode=False`` turns "auto" into "eager"; an unknown name is a ConfigError listing
+    the registered names (checked before the slow load)."""
+    check_backend_name(decode_backend)
     if compile:
         return "compiled"
-    return "auto" if native_decode else "eager"
+    if decode_backend == AUTO and not native_decode:
+        return "eager"
+    return decode_backend
 
 
 def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | None, n_gpu_layers: int | None,
