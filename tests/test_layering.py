@@ -113,3 +113,25 @@ def test_base_modules_import_only_base_modules(modules):
     for name in BASE_MODULES:
         above = sorted(t for t in modules[name] if not within(t, BASE_MODULES))
         assert above == [], f"{name} imports {above}"
+
+
+FACADE_USERS = ("hybridllm.cli", "hybridllm.server", "hybridllm.bench")
+TOOLS = ("hybridllm.llm", "hybridllm.server", "hybridllm.cli", "hybridllm.bench", "hybridllm.planner",
+         "hybridllm.doctor", "hybridllm.eval")
+
+
+def test_only_the_front_ends_import_the_facade(modules):
+    importers = sorted(name for name, targets in modules.items()
+                       if "hybridllm.llm" in targets and not within(name, FACADE_USERS))
+    assert importers == ["hybridllm"]  # the package re-exports LLM; nothing else below the front ends uses it
+
+
+def test_runtime_and_engine_do_not_import_the_front_ends_or_the_tools(modules):
+    assert violations(modules, ("hybridllm.runtime", "hybridllm.engine", "hybridllm.placement"), TOOLS) == []
+
+
+def test_placement_is_below_the_runtime_and_the_runtime_below_the_engine(modules):
+    # Placement data and its application are what the runtime is built from; the request loop
+    # runs a built runtime, and the runtime never reaches up into the loop.
+    assert violations(modules, ("hybridllm.placement",), ("hybridllm.runtime", "hybridllm.engine")) == []
+    assert violations(modules, ("hybridllm.runtime",), ("hybridllm.engine",)) == []

@@ -206,7 +206,7 @@ def test_native_decode_of_quantized_weights_matches_their_float_product(tiny_mod
 
 
 def test_int4_copies_count_as_host_weight_bytes(tiny_models):
-    from hybridllm.placement.apply import decode_weight_bytes, weight_bytes_per_tier
+    from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
 
     model = _load(tiny_models, "llama", "int4")
     eager, native_runner = _runner(model, "eager"), _runner(model, "native")

@@ -32,16 +32,15 @@ from hybridllm.models.quantized import check_weights_mode, weights_format
 from hybridllm.placement.apply import (
     TierDevices,
     all_on_host,
-    decode_weight_bytes,
     host_decode_model,
     place_tied_head,
-    weight_bytes_per_tier,
     weight_device_for,
 )
 from hybridllm.placement.placement import TIER_NAMES, Placement
 from hybridllm.runtime.backends import AUTO, check_backend_name
 from hybridllm.runtime.runner import ModelRunner, build_runner
 from hybridllm.runtime.runtime import Runtime
+from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
 
 
 @dataclass(frozen=True)
