@@ -105,7 +105,7 @@ def _run_rows(default_llm) -> dict[str, dict]:
     worst_step = torch.stack(step_errors).max(0).values  # (rows,)
     runs = {}
     for row, (name, cache) in enumerate(zip(names, caches)):
-        tensors = cache.storage_tensors() if name != "dynamic" else {"device": cache._k + cache._v}
+        tensors = cache.storage_tensors()
         runs[name] = {
             "tokens": torch.stack(tokens)[:, row].tolist(),
             "last_logits": logits[row],

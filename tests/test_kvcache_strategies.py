@@ -48,10 +48,7 @@ CHUNKS = [37, 1, 50, 1, 1, 20] + [1] * 12  # prefill chunks (T > 1) then decode 
 
 def storage_bytes(cache: KVCache) -> dict[str, int]:
     """Real bytes of the tensors a cache holds, per tier."""
-    if isinstance(cache, DynamicCache):  # the reference strategy keeps plain per-layer buffers
-        tensors = {"device": [t for t in cache._k + cache._v if t is not None], "host": []}
-    else:
-        tensors = cache.storage_tensors()
+    tensors = cache.storage_tensors()
     return {tier: tensor_bytes(*tensors.get(tier, [])) for tier in TIERS}
 
 

@@ -32,7 +32,7 @@ def print_metrics(metrics: dict[str, Any], cold_start: ColdStart | None = None, 
                       f"dequantize {_seconds(cold_start.dequantize_s)}, to device {_seconds(cold_start.to_device_s)}, "
                       f"tokenizer {_seconds(cold_start.tokenizer_s)}"
                       + (f", host copy {_seconds(cold_start.host_copy_s)}" if cold_start.host_copy_s else "")
-                      + (f", speed transforms {_seconds(cold_start.compile_s)}" if cold_start.compile_s else "")
+                      + (f", decode backend {_seconds(cold_start.compile_s)}" if cold_start.compile_s else "")
                       + ")")
     table.add_row("prompt tokens", str(metrics["prompt_tokens"]))
     table.add_row("generated tokens", str(metrics["generated_tokens"]))
@@ -43,7 +43,7 @@ def print_metrics(metrics: dict[str, Any], cold_start: ColdStart | None = None, 
     table.add_row("peak host RSS", format_bytes(metrics["peak_host_bytes"]))
     table.add_row("peak device memory", format_bytes(metrics["peak_device_bytes"]))
     if "kv_bytes" in metrics:
-        kv, peak = metrics["kv_bytes"], metrics["kv_peak_bytes"]
+        peak = metrics["kv_peak_bytes"]
         table.add_row(f"KV ({metrics.get('kv_cache', '?')}) peak device / host",
                       f"{format_bytes(peak['device'])} / {format_bytes(peak['host'])}")
         table.add_row("bus bytes (host<->device)", format_bytes(metrics.get("bus_bytes", 0)))

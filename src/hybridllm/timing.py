@@ -26,7 +26,7 @@ class ColdStart:
     to_device_s: float = 0.0  # host RAM -> the weights' devices
     tokenizer_s: float = 0.0
     host_copy_s: float = 0.0  # --decode-on host: the host copy of the device weights
-    compile_s: float = 0.0  # speed transforms: fusion, native kernel build + weight copies, torch.compile warm-up
+    compile_s: float = 0.0  # the decode backend: native kernel build + weight copies, torch.compile warm-up
     bytes_read: int = 0
 
     @property

@@ -245,6 +245,11 @@ class DenseKV(TokenStore):
     def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.buffer.rows("k", start, end), self.buffer.rows("v", start, end)
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers (B, Hkv, capacity, D), for a kernel that writes rows
+        and attends in place (the native decode step)."""
+        return self.buffer.tensors["k"], self.buffer.tensors["v"]
+
     def remove(self, start: int, n: int) -> None:
         """Drop tokens ``start .. start+n-1``, shifting the later ones down (used to evict hot pages)."""
         if n == 0:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 
-from hybridllm.errors import ModelLoadError
 from hybridllm.loading.quantized_loader import load_quantized_model
 from hybridllm.loading.skeleton import HEAD, assemble, load_tensors, prepare_skeleton, progress
 from hybridllm.models.llama import LlamaForCausalLM
