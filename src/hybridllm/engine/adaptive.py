@@ -80,7 +80,8 @@ class AdaptivePolicy:
         if isinstance(cache, TieredCache) and cache.hot_window > cache.page_size:
             old = cache.hot_window
             cache.hot_window = max(cache.page_size, old // 2)
-            _log(actions, SHRINK_HOT_WINDOW, f"device KV over its threshold: hot window {old} -> {cache.hot_window} tokens")
+            _log(actions, SHRINK_HOT_WINDOW,
+                 f"device KV over its threshold: hot window {old} -> {cache.hot_window} tokens")
             return cache, runner
         return self.move_to_host(cache, reserve_tokens, actions, "device KV over its threshold")
 

@@ -50,7 +50,8 @@ from hybridllm.engine.admission import (
     kv_bytes_needed,
     tiers_capacity,
 )
-from hybridllm.engine.metrics import HostPeakMemory, RequestMetrics
+from hybridllm.engine.metrics import HostPeakMemory
+from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.sampling import Sampler
 from hybridllm.engine.sequence import SeqEvent, SequenceState
@@ -568,40 +569,12 @@ class Scheduler:
 
     def _metrics(self, seq: SequenceState) -> dict[str, Any]:
         """The request's figures (the keys ``generate --json`` and the bench promise)."""
-        runtime, caches = self.runtime, seq.caches
-        first = caches[0]
         synchronize(self.device)
         if self.device.type == "cuda":
             peak_device = torch.cuda.max_memory_allocated(self.device)
         else:  # the CPU stands in for the device: report what the engine placed on the device tier
-            peak_device = runtime.weight_bytes["device"] + self.ledger.peak("device")
-        bus = {direction: sum(c.bus_bytes[direction] for c in caches) for direction in ("h2d", "d2h")}
-        bus["hidden_states"] = seq.hop_bytes
-        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.start_time
-        record = RequestMetrics(
-            cold_start_s=runtime.cold_start.total_s,
-            prompt_tokens=len(seq.prompt_ids),
-            generated_tokens=len(seq.generated),
-            ttft_s=ttft,
-            token_intervals_s=list(seq.token_intervals),
-            peak_host_bytes=self.host_memory.peak(),
-            peak_device_bytes=peak_device,
-            extra={
-                "kv_cache": first.name,
-                "kv_bytes": first.bytes_per_tier(),
-                "kv_peak_bytes": first.peak_bytes_per_tier(),
-                "kv_pages_moved": sum(c.pages_moved for c in caches),
-                "decode_on": "device" if len(caches) == 1 else "host",
-                "migration_bytes": sum(c.bus_bytes["d2h"] for c in caches[1:]),
-                "adaptive_actions": [str(action) for action in seq.actions],
-                "bus_bytes": sum(bus.values()),
-                "bus_bytes_detail": bus,
-                "weight_bytes": dict(runtime.weight_bytes),
-                "decode_weight_bytes": runtime.decode_weight_bytes,
-                "weights_format": runtime.weights_format,
-            },
-        )
-        return record.to_dict()
+            peak_device = self.runtime.weight_bytes["device"] + self.ledger.peak("device")
+        return sequence_metrics(seq, self.runtime, self.host_memory.peak(), peak_device)
 
     def _emit(self, seq: SequenceState, event: SeqEvent) -> None:
         try:
