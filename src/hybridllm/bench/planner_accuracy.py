@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hybridllm.bench import report
+from hybridllm.units import format_bytes
 
 TOLERANCE = 0.30  # |predicted - measured| / measured that the planner promises
 WARMUP_PROMPT_TOKENS = 32
@@ -121,7 +122,7 @@ def measure_planner_accuracy(contexts: Sequence[int], new_tokens: int, threads: 
         })
     load_after = os.getloadavg()
 
-    machine = (f"{profile.cpu_model}, {profile.logical_cpus} logical CPUs, {profile.ram_total_bytes / 2**30:.1f} GiB RAM,"
+    machine = (f"{profile.cpu_model}, {profile.logical_cpus} logical CPUs, {format_bytes(profile.ram_total_bytes)} RAM,"
                f" {platform.system()} {platform.release()}, torch {torch.__version__}, no GPU"
                if profile.gpu is None else f"{profile.cpu_model} + {profile.gpu.name}")
     detail = profile.model_gemv_detail
