@@ -205,16 +205,26 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when PyTorch sees a GPU, else ``cpu``; other names unchanged."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass
 class EngineConfig:
-    """Where and how the engine runs: device, compute dtype, prefill chunking, threads."""
+    """Where and how the engine runs: device, compute dtype, prefill chunking, threads, and the
+    context size (``ctx_size``: caps the model's window and sizes the KV; None or 0: the model's)."""
 
     device: str = "cpu"
     dtype: str = "float32"
     prefill_chunk: int = 512
     threads: int | None = None
+    ctx_size: int | None = None
 
     def __post_init__(self) -> None:
+        self.device = resolve_device(self.device)
         parse_dtype(self.dtype)
         try:
             dev = torch.device(self.device)
@@ -228,6 +238,12 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.ctx_size is not None and self.ctx_size < 0:
+            raise ConfigError(f"--ctx-size must be >= 0 (0: the model's window), got {self.ctx_size}")
+
+    def context_length(self, model_window: int) -> int:
+        """Tokens a sequence may hold: the model's window, capped by ``ctx_size`` when set."""
+        return min(model_window, self.ctx_size) if self.ctx_size else model_window
 
     @property
     def torch_device(self) -> torch.device:

@@ -30,7 +30,8 @@ class LLM:
 
     Args:
         model: path of a GGUF file or a Hugging Face folder; None for the default model.
-        device: "cpu" or "cuda[:N]": where weights and the hot KV cache live.
+        device: "cpu", "cuda[:N]" or "auto" (cuda when PyTorch sees a GPU): where weights and
+            the hot KV cache live.
         dtype: compute dtype: "float32", "bfloat16" or "float16".
         threads: CPU threads for PyTorch (None: PyTorch's default).
         prefill_chunk: prompt tokens per prefill step.
@@ -55,6 +56,8 @@ class LLM:
             in a warm-up step at load and counts in the cold start (the "compiled" backend).
         decode_backend: the decode backend by name ("eager", "compiled", "native", ... see
             ``hybridllm.runtime.backends``); "auto" follows ``native_decode`` and ``compile``.
+        ctx_size: llama.cpp's ``-c``: caps the context window (prompt + generated tokens) and
+            sizes the KV to it; 0: the model's own window.
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -63,7 +66,7 @@ class LLM:
     def __init__(
         self,
         model: str | os.PathLike | Any | None = None,
-        device: str = "cpu",
+        device: str = "auto",
         dtype: str = "float32",
         threads: int | None = None,
         prefill_chunk: int = 512,
@@ -76,9 +79,11 @@ class LLM:
         native_decode: bool = True,
         compile: bool = False,
         decode_backend: str = "auto",
+        ctx_size: int = 0,
         **kv_options: Any,
     ) -> None:
-        engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads)
+        engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads,
+                                     ctx_size=ctx_size)
         options = BuildOptions(fuse=fuse, decode_backend=resolve_decode_backend(decode_backend, native_decode, compile),
                                show_progress=show_progress)
         checkpoint = open_checkpoint(model)

@@ -16,6 +16,7 @@ from hybridllm.cli.bench import bench
 from hybridllm.cli.doctor import doctor
 from hybridllm.cli.eval import perplexity
 from hybridllm.cli.generate import chat, generate
+from hybridllm.cli.models import models
 from hybridllm.cli.plan import plan
 from hybridllm.cli.quantize import quantize
 from hybridllm.cli.serve import serve
@@ -53,9 +54,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from hybridllm import __version__
+
+        typer.echo(f"hybridllm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Local LLM inference that splits work between host (CPU/RAM) and device (GPU/VRAM), and measures it."""
+
+
 eval_app = typer.Typer(help="Quality evaluations against the float reference of the same model.", no_args_is_help=True)
 
-for command in (generate, chat, serve, bench, plan, doctor, quantize):
+for command in (generate, chat, serve, bench, plan, doctor, quantize, models):
     app.command(name=command.__name__)(cli_errors(command))
 eval_app.command(name="perplexity")(cli_errors(perplexity))
 app.add_typer(eval_app, name="eval")

@@ -18,13 +18,13 @@ import typer
 
 from hybridllm.cli.options import (
     KV_PANEL,
+    MODEL_PANEL,
     PLACEMENT_PANEL,
     KVOptions,
     ModelOptions,
     PlacementOptions,
     SpeedOptions,
     changed,
-    resolve_device,
     with_option_groups,
 )
 from hybridllm.errors import ConfigError
@@ -58,11 +58,12 @@ def _scalar(text: str) -> Any:
     return None if text.lower() in ("none", "null") else text
 
 
-@with_option_groups(own=("kv_cache", "decode_on", "n_gpu_layers"))
+@with_option_groups(own=("kv_cache", "decode_on", "n_gpu_layers", "ctx_size"))
 def bench(
     model: ModelOptions = ModelOptions(device="auto"),
     random_weights: Annotated[Optional[Path], typer.Option("--random-weights", help="A Hugging Face config.json (e.g. configs/llama-3.2-1b.json): that shape with random weights, nothing downloaded.")] = None,
     context: Annotated[Optional[str], typer.Option("--context", "-c", help="Prompt lengths in tokens, comma-separated: 1024,4096 or 1K,4K.")] = None,
+    ctx_size: Annotated[int, typer.Option("--ctx-size", help="Our engine's context size in tokens (sizes the KV); 0: the model's window.", rich_help_panel=MODEL_PANEL)] = 0,
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", "-n", help="Tokens generated after the prompt (greedy, EOS ignored).")] = None,
     kv_cache: Annotated[Optional[str], typer.Option("--kv-cache", help="Our KV strategies, comma-separated: dynamic,offloaded,quantized,tiered,host.", rich_help_panel=KV_PANEL)] = None,
     decode_on: Annotated[Optional[str], typer.Option("--decode-on", help="Where decode runs, comma-separated: device,host.", rich_help_panel=PLACEMENT_PANEL)] = None,
@@ -95,7 +96,7 @@ def bench(
         parse_names,
         run_sweep,
     )
-    from hybridllm.config import KV_STRATEGIES, EngineConfig, KVConfig
+    from hybridllm.config import KV_STRATEGIES, EngineConfig, KVConfig, resolve_device
 
     if model.path is not None and random_weights is not None:
         raise ConfigError("give either --model or --random-weights, not both")
@@ -130,6 +131,8 @@ def bench(
     EngineConfig(device=device, dtype=model.dtype, threads=threads, prefill_chunk=model.prefill_chunk)
     kv_options = {**_parse_kv_options(kv_opt), **changed(kv)}  # kv_cache is a sweep axis, never in changed(kv)
     llm_options = changed(speed)
+    if ctx_size:
+        llm_options["ctx_size"] = ctx_size
     if placement.file is not None:
         from hybridllm.placement.placement import Placement
 

@@ -15,13 +15,14 @@ from hybridllm.errors import ConfigError
 @with_option_groups
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt (read from stdin when omitted).")] = None,
+    prompt_option: Annotated[Optional[str], typer.Option("--prompt", "-p", help="The prompt, llama.cpp's way (instead of the argument).")] = None,
     model: ModelOptions = ModelOptions(),
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Maximum new tokens.")] = 128,
-    temperature: Annotated[float, typer.Option("--temperature", help="0 means greedy.")] = 0.7,
+    temperature: Annotated[float, typer.Option("--temperature", "--temp", help="0 means greedy.")] = 0.7,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="0 disables.")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", help="0 disables.")] = 0.0,
-    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="1 disables.")] = 1.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", "--repeat-penalty", help="1 disables.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Format with the model's chat template (default: when it has one).")] = None,
@@ -34,6 +35,9 @@ def generate(
     """Generate a completion and report what each phase cost."""
     from hybridllm.config import SamplingParams
 
+    if prompt is not None and prompt_option is not None:
+        raise ConfigError("give the prompt as an argument or with --prompt, not both")
+    prompt = prompt if prompt is not None else prompt_option
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise ConfigError("give a prompt as an argument or on standard input")
@@ -71,7 +75,7 @@ def generate(
 def chat(
     model: ModelOptions = ModelOptions(),
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 512,
-    temperature: Annotated[float, typer.Option("--temperature")] = 0.7,
+    temperature: Annotated[float, typer.Option("--temperature", "--temp")] = 0.7,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed")] = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,

@@ -30,6 +30,7 @@ Model = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file 
 Device = Annotated[str, typer.Option("--device", help="cpu, cuda[:N] or auto (cuda when PyTorch sees a GPU, else cpu).", rich_help_panel=MODEL_PANEL)]
 Dtype = Annotated[str, typer.Option("--dtype", help="Compute dtype: float32, bfloat16 or float16.", rich_help_panel=MODEL_PANEL)]
 Threads = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: PyTorch's).", rich_help_panel=MODEL_PANEL)]
+CtxSize = Annotated[int, typer.Option("--ctx-size", "-c", help="Context size in tokens (prompt + generated; sizes the KV), like llama.cpp's -c; 0: the model's window.", rich_help_panel=MODEL_PANEL)]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per prefill forward, and per scheduler step of serve (llama.cpp's n_batch).", rich_help_panel=MODEL_PANEL)]
 Weights = Annotated[str, typer.Option("--weights", help=f"{WEIGHTS_HELP}.", rich_help_panel=PLACEMENT_PANEL)]
 PlacedWeights = Annotated[Optional[str], typer.Option("--weights", help=f"{WEIGHTS_HELP} (default: the placement file's, else auto).", rich_help_panel=PLACEMENT_PANEL)]
@@ -59,10 +60,11 @@ class ModelOptions:
     """Which model, and where and how it computes."""
 
     path: Model = None
-    device: Device = "cpu"
+    device: Device = "auto"
     dtype: Dtype = "float32"
     threads: Threads = None
     prefill_chunk: PrefillChunk = 512
+    ctx_size: CtxSize = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,15 +173,6 @@ def with_option_groups(func: Callable[..., Any] | None = None, *, own: Iterable[
 
 
 # ---- the LLM they describe --------------------------------------------------------------------
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when PyTorch sees a GPU, else ``cpu``; other names unchanged."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, speed: SpeedOptions) -> dict[str, Any]:
     """``LLM`` keyword arguments of the four groups, checked before the slow load.
 
@@ -189,20 +182,21 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
     Raises:
         ConfigError: a bad value (unknown KV strategy, dtype, device, weights mode ...).
     """
-    from hybridllm.config import EngineConfig, KVConfig
+    from hybridllm.config import EngineConfig, KVConfig, resolve_device
     from hybridllm.models.quantized import check_weights_mode
 
     kv_options = dataclasses.asdict(kv)
     KVConfig(**kv_options)
     device = resolve_device(model.device)
-    EngineConfig(device=device, dtype=model.dtype, threads=model.threads, prefill_chunk=model.prefill_chunk)
+    EngineConfig(device=device, dtype=model.dtype, threads=model.threads, prefill_chunk=model.prefill_chunk,
+                 ctx_size=model.ctx_size)
     if placement.weights is not None:
         check_weights_mode(placement.weights)
     if placement.file is not None:
         kv_options = changed(kv)
     options = {
         "model": model.path, "device": device, "dtype": model.dtype, "threads": model.threads,
-        "prefill_chunk": model.prefill_chunk, "weights": placement.weights, "n_gpu_layers": placement.n_gpu_layers,
+        "prefill_chunk": model.prefill_chunk, "ctx_size": model.ctx_size or None, "weights": placement.weights, "n_gpu_layers": placement.n_gpu_layers,
         "decode_on": placement.decode_on, "placement": placement.file, **kv_options,
         "fuse": speed.fuse, "native_decode": speed.native_decode, "compile": speed.compile,
         "decode_backend": speed.decode_backend,

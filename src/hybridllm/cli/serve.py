@@ -17,7 +17,7 @@ from hybridllm.errors import ConfigError
 def serve(
     model: ModelOptions = ModelOptions(),
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless told otherwise).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", "-p", help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="HYBRIDLLM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests running at once (1 disables batching).")] = 16,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting; more get 503 with Retry-After.")] = 256,

@@ -115,7 +115,7 @@ class Scheduler:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
         self.device = runtime.engine_config.torch_device
-        self.context_length = runtime.config.max_position_embeddings
+        self.context_length = runtime.context_length
         self.vocab_size = runtime.config.vocab_size
         self.prefill_chunk = runtime.engine_config.prefill_chunk
         self.max_batch = max_batch

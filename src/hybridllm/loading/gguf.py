@@ -151,7 +151,9 @@ class GGUFFile:
         UnsupportedModelError: the architecture or a tensor type is not supported.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, header_only: bool = False) -> None:
+        """Memory-map and parse ``path``; ``header_only`` skips building the model config (to
+        describe a file whose architecture this engine does not run)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
@@ -161,7 +163,7 @@ class GGUFFile:
             self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.file_size = len(self._mmap)
         self.metadata, self.tensors = self._parse_header(memoryview(self._mmap))
-        self.config = self._build_config()
+        self.config = None if header_only else self._build_config()
 
     def close(self) -> None:
         self._mmap.close()

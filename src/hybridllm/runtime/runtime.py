@@ -61,7 +61,8 @@ class Runtime:
 
     @property
     def context_length(self) -> int:
-        return self.config.max_position_embeddings
+        """Tokens a sequence may hold (prompt + generated): the model's window, or ``--ctx-size``."""
+        return self.engine_config.context_length(self.config.max_position_embeddings)
 
     # ---- KV ------------------------------------------------------------------------------
     def kv_spec(self) -> KVSpec:
@@ -74,7 +75,7 @@ class Runtime:
             dtype=self.engine_config.torch_dtype,
             device=self.devices.device,
             host_device=self.devices.host,
-            max_tokens=cfg.max_position_embeddings,
+            max_tokens=self.context_length,
         )
 
     def kv_ledger(self, host_budget: int | None = None) -> MemoryLedger:
