@@ -582,8 +582,10 @@ class Scheduler:
         finishing = seq.output.finish_reason is not None
         # with logprobs every token gets its event (the last one rides on the finishing event)
         if piece or (seq.unsent_logprobs and not finishing):
+            first = len(seq.generated) == 1
             self._emit(seq, SeqEvent(seq.request_id, piece, token_id=token, index=seq.index,
-                                     logprobs=self._take_unsent_logprobs(seq)))
+                                     logprobs=self._take_unsent_logprobs(seq),
+                                     prompt_logprobs=seq.prompt_logprobs if first else None))
         if finishing:
             self._finish(seq, seq.output.finish_reason)
             return
