@@ -218,6 +218,7 @@ def test_penalties_through_the_server_equal_the_engine(served):
     ("/v1/completions", {"repeat_penalty": 1.1, "repetition_penalty": 1.3}, "repeat_penalty"),
     ("/v1/completions", {"presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"n": 1000}, "n"),  # more than the batch
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
 ])

@@ -451,7 +451,8 @@ class Scheduler:
             used += end - start
             want_prompt_logprobs = seq.params.prompt_logprobs is not None
             try:
-                logits = self._forward(seq, seq.prompt_ids[start:end], all_logits=want_prompt_logprobs)  # (1, 1 or T, vocab)
+                # (1, T, vocab) when the prompt's log-probabilities are asked, else (1, 1, vocab)
+                logits = self._forward(seq, seq.prompt_ids[start:end], all_logits=want_prompt_logprobs)
             except Exception as exc:
                 self._fail(seq, exc, "prefill failed")
                 continue
@@ -532,7 +533,9 @@ class Scheduler:
         seq.kv_bytes //= n
         forks = []
         for index in range(1, n):
-            params = seq.params if seq.params.seed is None else dataclasses.replace(seq.params, seed=seq.params.seed + index)
+            params = seq.params
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + index)
             fork = SequenceState(seq.request_id, seq.prompt_ids, params, seq.max_new_tokens, seq.kv_bytes, seq.sink,
                                  index=index, arrival_time=seq.arrival_time)
             fork.sampler = Sampler(params)

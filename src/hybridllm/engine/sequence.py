@@ -29,7 +29,8 @@ class SeqEvent:
     token_id: int | None = None  # the token that completed ``text`` (None for the held-back tail)
     index: int = 0  # which of the request's n sequences
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens this event completes (when asked)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # every prompt position, on the first and last events (when asked)
+    # every prompt position (None first), on the sequence's first and last events (when asked)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     all_logprobs: list[TokenLogprob] | None = None  # every generated token's, on the last event (when asked)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     error: str | None = None

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridllm import __version__
 from hybridllm.config import SamplingParams
+from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
 from hybridllm.errors import HybridLLMError
 from hybridllm.server.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
@@ -214,6 +215,9 @@ def create_app(
     def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                         default_max: int | None, prompt_len: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        if (req.n or 1) > scheduler.max_batch:
+            raise APIError(400, f"n={req.n} choices do not fit in this server's batch of {scheduler.max_batch} "
+                           f"sequences; lower n", param="n")
         ctx = scheduler.context_length
         if prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context window is {ctx}; "
@@ -370,7 +374,7 @@ def create_app(
         now = int(time.time())
         queue = submit(request_id, prompt_ids, params)
 
-        def logprobs_of(entries: list | None) -> dict[str, Any] | None:
+        def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
             return chat_logprobs(entries or [], token_text) if want_logprobs else None
 
         if body.stream:
@@ -500,7 +504,8 @@ def create_app(
                     out.append(chunk(text=event.text, index=event.index, logprobs=logprobs))
                 return out
 
-            head = [chunk(text=prompt_text, index=index) for index in range(params.n)] if echo and not want_logprobs else []
+            # the echoed prompt up front; with log-probabilities it waits for them (the first event)
+            head = [chunk(text=prompt_text, index=i) for i in range(params.n)] if echo and not want_logprobs else []
             return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, head, content, params.n,
                                                    count_completion=generate),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
