@@ -7,7 +7,15 @@ import torch
 
 from hybridllm.config import SamplingParams
 from hybridllm.engine.output import StopStringMatcher
-from hybridllm.engine.sampling import Sampler, apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
+from hybridllm.engine.logprobs import sequence_logprobs, token_logprob
+from hybridllm.engine.sampling import (
+    Sampler,
+    apply_presence_frequency_penalty,
+    apply_repetition_penalty,
+    min_p_filter,
+    top_k_filter,
+    top_p_filter,
+)
 from hybridllm.errors import ConfigError
 
 
@@ -44,9 +52,47 @@ def test_seeded_sampler_is_deterministic():
     assert [Sampler(params)(logits) for _ in range(3)] == [Sampler(params)(logits) for _ in range(3)]
 
 
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = torch.tensor([1.0, 0.9, 0.0, -1.0])
+    generated = torch.tensor([0, 0, 0, 2])  # token 0 three times, token 2 once
+    out = apply_presence_frequency_penalty(logits, generated, presence=0.5, frequency=0.25)
+    # logit - frequency * count - presence * (count > 0)
+    assert torch.allclose(out, torch.tensor([1.0 - 0.75 - 0.5, 0.9, 0.0 - 0.25 - 0.5, -1.0]))
+    greedy = SamplingParams(temperature=0)
+    assert Sampler(greedy)(logits, generated=generated) == 0  # no penalty: the argmax
+    assert Sampler(SamplingParams(temperature=0, frequency_penalty=0.1))(logits, generated=generated) == 1
+    assert Sampler(SamplingParams(temperature=0, presence_penalty=0.2))(logits, generated=generated) == 1
+    assert Sampler(SamplingParams(temperature=0, presence_penalty=0.05))(logits, generated=generated) == 0
+    # a negative penalty favours what was generated
+    assert Sampler(SamplingParams(temperature=0, presence_penalty=-2))(torch.tensor([0.0, 1.0, 0.5]),
+                                                                       generated=torch.tensor([2])) == 2
+
+
+def test_logit_bias_adds_to_the_logits():
+    logits = torch.tensor([0.0, 0.0, 5.0])
+    assert Sampler(SamplingParams(temperature=0, logit_bias={0: 10.0}))(logits) == 0
+    assert Sampler(SamplingParams(temperature=0, logit_bias={2: -100.0}))(logits) in (0, 1)
+    seeded = SamplingParams(temperature=1.0, seed=3, logit_bias={1: 100.0})
+    assert {Sampler(seeded)(torch.randn(50)) for _ in range(5)} == {1}
+
+
+def test_logprobs_are_the_log_softmax_before_any_transform():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    reference = torch.log_softmax(logits, dim=-1)
+    entry = token_logprob(logits, 2, top_k=2)
+    assert entry.token_id == 2 and entry.logprob == pytest.approx(float(reference[2]))
+    assert [t for t, _ in entry.top] == [0, 1] and entry.top[0][1] == pytest.approx(float(reference[0]))
+    assert token_logprob(logits, 0, top_k=0).top == ()
+    rows = torch.stack([logits, logits.flip(0)])  # (2, vocab)
+    entries = sequence_logprobs(rows, [3, 3], top_k=1)
+    assert [e.logprob for e in entries] == pytest.approx([float(reference[3]), float(reference[0])])
+
+
 @pytest.mark.parametrize("kwargs", [
     {"temperature": -1}, {"top_p": 2}, {"top_p": 0}, {"top_k": -1}, {"min_p": 1.5},
     {"max_tokens": 0}, {"repetition_penalty": 0}, {"stop": [""]},
+    {"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logit_bias": {1: 101.0}}, {"logit_bias": {-1: 1.0}},
+    {"n": 0}, {"logprobs": -1}, {"prompt_logprobs": -2},
 ])
 def test_invalid_sampling_values_raise(kwargs):
     with pytest.raises(ConfigError):

@@ -241,7 +241,7 @@ def test_invalid_requests_get_openai_error_objects(server, client, model_id):
         ({"model": model_id, "messages": msgs, "max_tokens": 0}, "max_tokens"),
         ({"model": model_id, "messages": msgs, "max_tokens": 10**9}, "max_tokens"),
         ({"model": model_id, "messages": [], "max_tokens": 4}, "messages"),
-        ({"model": model_id, "messages": msgs, "max_tokens": 4, "n": 2}, "n"),
+        ({"model": model_id, "messages": msgs, "max_tokens": 4, "n": 1000}, "n"),  # more than --max-batch
         ({"model": model_id, "messages": msgs, "max_tokens": 4, "temperature": 5}, "temperature"),
         ({"model": model_id, "messages": msgs, "max_tokens": 4, "stop": [""]}, None),
     ]

@@ -147,6 +147,10 @@ class LLM:
         """Generate a completion of ``prompt`` (text, token ids, or chat messages)."""
         return self.engine.generate(self.encode_prompt(prompt), params or SamplingParams())
 
+    def generate_all(self, prompt: Prompt, params: SamplingParams) -> list[GenerationResult]:
+        """Generate ``params.n`` completions of ``prompt`` (they share the prompt's KV), by index."""
+        return self.engine.generate_all(self.encode_prompt(prompt), params)
+
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion's text as it is generated."""
         for event in self.engine.stream(self.encode_prompt(prompt), params or SamplingParams()):

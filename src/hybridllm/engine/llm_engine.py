@@ -17,20 +17,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm.config import SamplingParams
+from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.scheduler import Scheduler
 from hybridllm.engine.sequence import SeqEvent
-from hybridllm.errors import HybridLLMError
+from hybridllm.errors import ConfigError, HybridLLMError
 
 
 @dataclass
 class GenerationResult:
-    """What a request produced. ``finish_reason`` is "stop" (EOS or a stop string) or "length"."""
+    """What a request produced. ``finish_reason`` is "stop" (EOS or a stop string) or "length".
+
+    ``logprobs``: one entry per generated token when ``SamplingParams.logprobs`` is set;
+    ``prompt_logprobs``: one per prompt token (None for the first) when ``prompt_logprobs`` is
+    set; ``index``: which of the request's ``n`` sequences.
+    """
 
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
     finish_reason: str
     metrics: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0
 
 
 @dataclass
@@ -40,6 +49,8 @@ class StreamEvent:
     text: str
     token_id: int | None = None
     result: GenerationResult | None = None
+    index: int = 0  # which of the request's n sequences
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens this event completes (when asked)
 
 
 class LLMEngine:
@@ -57,33 +68,43 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:
-        """Run a request to completion."""
-        for event in self.stream(prompt_ids, params):
-            if event.result is not None:
-                return event.result
-        raise RuntimeError("generation ended without a result")  # unreachable: stream always ends with one
+        """Run a request to completion (``params.n`` must be 1; see :meth:`generate_all`)."""
+        if params.n != 1:
+            raise ConfigError(f"generate returns one sequence but n={params.n}; use generate_all")
+        return self.generate_all(prompt_ids, params)[0]
+
+    def generate_all(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[GenerationResult]:
+        """Run a request to completion: its ``params.n`` sequences, by index."""
+        results = [event.result for event in self.stream(prompt_ids, params) if event.result is not None]
+        return sorted(results, key=lambda result: result.index)
 
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StreamEvent]:
-        """Run a request, yielding text pieces as they are decided; the last event has the result."""
+        """Run a request, yielding text pieces as they are decided; each sequence's last event
+        has its result (one sequence unless ``params.n > 1``: events carry their ``index``)."""
         prompt = [int(t) for t in prompt_ids]
         events: queue.SimpleQueue[SeqEvent] = queue.SimpleQueue()
         request_id = f"generate-{next(self._ids)}"
         self.scheduler.submit(request_id, prompt, params, events.put)
+        unfinished = params.n
         finished = False
         try:
             while not finished:
                 event = self._next_event(events)
-                finished = event.finished
                 if event.error is not None:
+                    unfinished -= 1
+                    finished = unfinished == 0  # else the finally aborts the request's other sequences
                     if isinstance(event.exception, HybridLLMError):
                         raise event.exception  # the user's error (budgets, prompt): one line in the CLI
                     raise RuntimeError(event.error) from event.exception
-                if event.text:
-                    yield StreamEvent(event.text, event.token_id)
+                if event.text or event.logprobs:
+                    yield StreamEvent(event.text, event.token_id, index=event.index, logprobs=event.logprobs)
                 if event.finish_reason is not None:
+                    unfinished -= 1
+                    finished = unfinished == 0
                     result = GenerationResult(event.full_text, event.token_ids, prompt, event.finish_reason,
-                                              event.metrics or {})
-                    yield StreamEvent("", None, result)
+                                              event.metrics or {}, event.all_logprobs, event.prompt_logprobs,
+                                              event.index)
+                    yield StreamEvent("", None, result, index=event.index)
         finally:
             if not finished:  # the consumer stopped early: free the sequence's KV now
                 self.scheduler.abort(request_id)

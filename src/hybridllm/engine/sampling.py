@@ -1,6 +1,7 @@
-"""Next-token selection: greedy, or temperature / top-k / top-p / min-p sampling, with an
-optional repetition penalty. Filters run in Hugging Face's order (penalty, temperature,
-top-k, top-p, min-p) so seeded results are comparable with it.
+"""Next-token selection: greedy, or temperature / top-k / top-p / min-p sampling, after
+OpenAI's ``logit_bias``, the repetition penalty and OpenAI's presence / frequency penalties.
+Filters run in Hugging Face's order (penalty, temperature, top-k, top-p, min-p) so seeded
+results are comparable with it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,28 @@ class Sampler:
             self.generator.manual_seed(params.seed)
         else:
             self.generator.seed()
+        # the bias as (ids, values), added in one indexed op per token
+        self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        self.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
 
-    def __call__(self, logits: torch.Tensor, history: torch.Tensor | None = None) -> int:
-        """Choose the next token from ``logits`` (vocab,) given the ids seen so far ``history`` (N,)."""
+    def __call__(self, logits: torch.Tensor, history: torch.Tensor | None = None,
+                 generated: torch.Tensor | None = None) -> int:
+        """Choose the next token from ``logits`` (vocab,).
+
+        Args:
+            logits: the model's next-token logits (vocab,).
+            history: every id seen so far, prompt included (N,): the repetition penalty's.
+            generated: the ids generated so far (M,): the presence / frequency penalties'.
+        """
         p = self.params
         logits = logits.float()
+        if self.bias_ids.numel():
+            logits = logits.index_add(0, self.bias_ids.to(logits.device), self.bias_values.to(logits.device))
         if p.repetition_penalty != 1.0 and history is not None and history.numel():
             logits = apply_repetition_penalty(logits, history.to(logits.device), p.repetition_penalty)
+        if p.penalizes_generated and generated is not None and generated.numel():
+            logits = apply_presence_frequency_penalty(logits, generated.to(logits.device), p.presence_penalty,
+                                                      p.frequency_penalty)
         if p.greedy:
             return int(torch.argmax(logits))
         logits = logits.cpu() / p.temperature
@@ -47,6 +63,14 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalt
     logits = logits.clone()
     logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
     return logits
+
+
+def apply_presence_frequency_penalty(logits: torch.Tensor, generated: torch.Tensor, presence: float,
+                                     frequency: float) -> torch.Tensor:
+    """OpenAI's penalties: ``logit -= frequency * count + presence * (count > 0)`` for every token
+    by its count among the generated ids."""
+    counts = torch.bincount(generated, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)  # (vocab,)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,6 +15,12 @@ Every request, from ``LLM.generate`` as from the server, runs through :class:`Sc
    tokens per step, so a long prompt does not stall the running decodes. Chunk boundaries are
    multiples of ``prefill_chunk``, so a sequence's forwards do not depend on its neighbours.
 
+A request for ``n > 1`` sequences is admitted once (its KV reservation and batch slots count
+n times) and prefilled once; when its prompt is done it forks into n sequences, each on its own
+copy of the prompt's KV (:func:`~hybridllm.kvcache.copy.copy_cache`) with its own sampler, and
+each samples its first token from the same prompt logits. Log-probabilities (``logprobs``,
+``prompt_logprobs``) are computed only for requests that ask for them.
+
 Per-sequence policies run after each of a sequence's forwards: phase migration when its prompt
 is done (``--decode-on host``), and adaptive re-planning when a memory tier fills up
 (``--kv-adaptive``: halve a tiered hot window, quantize cold pages, or move the sequence to the
@@ -32,6 +38,7 @@ Results go to each request's ``sink`` callable, called on the loop's thread.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -51,6 +58,7 @@ from hybridllm.engine.admission import (
     tiers_capacity,
 )
 from hybridllm.engine.metrics import HostPeakMemory
+from hybridllm.engine.logprobs import TokenLogprob, sequence_logprobs, token_logprob
 from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.sampling import Sampler
@@ -58,6 +66,7 @@ from hybridllm.engine.sequence import SeqEvent, SequenceState
 from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
+from hybridllm.kvcache.copy import copy_cache
 from hybridllm.kvcache.registry import admission_tiers
 from hybridllm.timing import synchronize
 
@@ -156,11 +165,13 @@ class Scheduler:
         fit) or QueueFullError; otherwise ``sink`` gets its events from the loop's thread."""
         prompt = [int(t) for t in prompt_ids]
         self.check_prompt(prompt)
+        self.check_params(params)
         max_new = min(params.max_tokens, self.context_length - len(prompt))
-        need = kv_bytes_needed(len(prompt) + max_new, self.token_bytes, self.page_size)
+        need = params.n * kv_bytes_needed(len(prompt) + max_new, self.token_bytes, self.page_size)
         if admission_decision(need, 0, self.capacity) == "reject":
+            copies = f" x {params.n} sequences" if params.n > 1 else ""
             raise AdmissionError(
-                f"the request needs {need} bytes of KV cache ({len(prompt)} prompt + {max_new} new tokens) "
+                f"the request needs {need} bytes of KV cache ({len(prompt)} prompt + {max_new} new tokens{copies}) "
                 f"but the {self.kv_strategy} KV cache may use at most {self.capacity} bytes; "
                 f"shorten the prompt or lower max_tokens"
             )
@@ -211,6 +222,16 @@ class Scheduler:
     def check_prompt(self, prompt: list[int]) -> None:
         """The prompt rules: non-empty, shorter than the context, ids in the vocabulary."""
         check_prompt(prompt, self.context_length, self.vocab_size)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What sampling parameters must fit in this loop: ``logit_bias`` ids in the vocabulary,
+        ``n`` sequences in one batch."""
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ConfigError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if params.n > self.max_batch:
+            raise ConfigError(f"n={params.n} sequences do not fit in a batch of at most {self.max_batch}; "
+                              f"lower n or raise --max-batch")
 
     def start(self) -> None:
         """Start the loop thread (idempotent)."""
@@ -323,7 +344,7 @@ class Scheduler:
     def _admit(self) -> None:
         while True:
             with self._cond:
-                if not self._waiting or len(self._running) >= self.max_batch:
+                if not self._waiting or len(self._running) + self._waiting[0].params.n > self.max_batch:
                     return
                 seq = self._waiting[0]
                 if admission_decision(seq.kv_bytes, self._reserved, self.capacity) != "admit":
@@ -428,47 +449,52 @@ class Scheduler:
             if used and used + (end - start) > budget:
                 break
             used += end - start
+            want_prompt_logprobs = seq.params.prompt_logprobs is not None
             try:
-                logits = self._forward(seq, seq.prompt_ids[start:end])  # (1, 1, vocab)
+                # (1, T, vocab) when the prompt's log-probabilities are asked, else (1, 1, vocab)
+                logits = self._forward(seq, seq.prompt_ids[start:end], all_logits=want_prompt_logprobs)
             except Exception as exc:
                 self._fail(seq, exc, "prefill failed")
                 continue
             seq.prefilled = end
+            if want_prompt_logprobs:
+                self._record_prompt_logprobs(seq, start, end, logits[0])
             if end == len(seq.prompt_ids):
                 if self.runtime.placement.decode_on == "host":
                     self._migrate(seq)
                 self.observer.on_prompt_done(seq)
-                self._sample(seq, logits[0, -1])
+                for sibling in [seq, *self._fork(seq)]:
+                    self._sample(sibling, logits[0, -1])
             if used >= budget:
                 break
         return used
 
-    def _forward(self, seq: SequenceState, tokens: list[int]) -> torch.Tensor:
+    def _forward(self, seq: SequenceState, tokens: list[int], all_logits: bool = False) -> torch.Tensor:
         """One forward of ``tokens`` on the sequence's runner and cache, then its policies.
 
         A step that overflows the device budget mid-way (``KVBudgetError``) is rolled back to
         its start and re-run on the host when the adaptive policy is on. Returns (1, 1, vocab)
-        logits on the CPU.
+        logits on the CPU, (1, T, vocab) with ``all_logits``.
         """
         ids = torch.tensor([tokens], dtype=torch.long)  # (1, T); the runner moves it to the embedding
         start = seq.cache.seq_length
         try:
-            logits = self._run_runner(seq.runner, ids, seq.cache, start, [seq])
+            logits = self._run_runner(seq.runner, ids, seq.cache, start, [seq], all_logits)
         except KVBudgetError:
             if self.adaptive is None:
                 raise
             seq.cache.truncate(start)  # undo the layers that appended before the budget ran out
             self._adopt(seq, self.adaptive.move_to_host(seq.cache, seq.reserve_tokens, seq.actions,
                                                         "device KV budget exhausted mid-step"))
-            logits = self._run_runner(seq.runner, ids, seq.cache, start, [seq])
+            logits = self._run_runner(seq.runner, ids, seq.cache, start, [seq], all_logits)
         self._relieve(seq)
         return logits.cpu()
 
     def _run_runner(self, runner: Any, ids: torch.Tensor, cache: Any, start_pos: int | torch.Tensor,
-                    rows: list[SequenceState]) -> torch.Tensor:
+                    rows: list[SequenceState], all_logits: bool = False) -> torch.Tensor:
         """``runner(ids, cache, start_pos)``; its hidden-state hops are shared by the rows."""
         hops_before = runner.hop_bytes
-        logits = runner(ids, cache, start_pos=start_pos)  # (B, 1, vocab)
+        logits = runner(ids, cache, start_pos=start_pos, all_logits=all_logits)  # (B, 1 or T, vocab)
         moved = runner.hop_bytes - hops_before
         self._hop_bytes += moved
         for seq in rows:  # every row moves the same hidden-state bytes
@@ -495,11 +521,57 @@ class Scheduler:
         migration = self.runtime.migration()
         seq.adopt(migration.migrate(seq.cache, seq.reserve_tokens), migration.runner)
 
+    def _fork(self, seq: SequenceState) -> list[SequenceState]:
+        """The other ``n - 1`` sequences of a prefilled request, each on its own copy of the
+        prompt's KV and runner, with its own sampler (seed + index when a seed is given).
+
+        The request's reservation (n sequences' worth) is split evenly among them.
+        """
+        n = seq.params.n
+        if n == 1:
+            return []
+        seq.kv_bytes //= n
+        forks = []
+        for index in range(1, n):
+            params = seq.params
+            if params.seed is not None:
+                params = dataclasses.replace(params, seed=params.seed + index)
+            fork = SequenceState(seq.request_id, seq.prompt_ids, params, seq.max_new_tokens, seq.kv_bytes, seq.sink,
+                                 index=index, arrival_time=seq.arrival_time)
+            fork.sampler = Sampler(params)
+            fork.output = RequestOutput(self.tokenizer, params, fork.max_new_tokens)
+            fork.history = None if seq.history is None else seq.history.clone()
+            fork.prompt_logprobs = seq.prompt_logprobs
+            fork.prefilled = seq.prefilled
+            fork.scheduled_time, fork.start_time = seq.scheduled_time, seq.start_time
+            on_host = seq.runner is not self.runtime.runner
+            cache = self.runtime.new_host_cache(self.ledger) if on_host else self.runtime.new_cache(self.ledger)
+            if on_host or not self.device_room_needed(len(seq.prompt_ids)):
+                cache.reserve(fork.reserve_tokens)
+            fork.adopt(copy_cache(seq.cache, cache), seq.runner)
+            with self._cond:
+                self._running.append(fork)
+            forks.append(fork)
+        return forks
+
     # ---- tokens and endings ------------------------------------------------------------------
+    def _record_prompt_logprobs(self, seq: SequenceState, start: int, end: int, logits: torch.Tensor) -> None:
+        """Log-probabilities of prompt tokens ``start + 1 .. end`` (the first has none) from a
+        chunk's logits (T, vocab): row i predicts the token after position ``start + i``."""
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        targets = seq.prompt_ids[start + 1:end + 1]  # the last chunk's last row predicts a generated token
+        seq.prompt_logprobs.extend(sequence_logprobs(logits[:len(targets)], targets, seq.params.prompt_logprobs))
+
     def _sample(self, seq: SequenceState, logits: torch.Tensor) -> None:
         """Pick the next token, then apply the stop rules."""
         params = seq.params
-        token = seq.sampler(logits, seq.history if params.repetition_penalty != 1.0 else None)
+        generated = torch.tensor(seq.generated, dtype=torch.long) if params.penalizes_generated else None
+        token = seq.sampler(logits, seq.history if params.repetition_penalty != 1.0 else None, generated)
+        if params.logprobs is not None:
+            entry = token_logprob(logits, token, params.logprobs)
+            seq.logprobs.append(entry)
+            seq.unsent_logprobs.append(entry)
         now = time.perf_counter()
         interval = None if seq.last_token_time is None else now - seq.last_token_time
         if interval is not None:
@@ -510,9 +582,14 @@ class Scheduler:
         self.host_memory.sample()
         piece = seq.output.push(token)
         self.observer.on_token(seq, interval)
-        if piece:
-            self._emit(seq, SeqEvent(seq.request_id, piece, token_id=token))
-        if seq.output.finish_reason is not None:
+        finishing = seq.output.finish_reason is not None
+        # with logprobs every token gets its event (the last one rides on the finishing event)
+        if piece or (seq.unsent_logprobs and not finishing):
+            first = len(seq.generated) == 1
+            self._emit(seq, SeqEvent(seq.request_id, piece, token_id=token, index=seq.index,
+                                     logprobs=self._take_unsent_logprobs(seq),
+                                     prompt_logprobs=seq.prompt_logprobs if first else None))
+        if finishing:
             self._finish(seq, seq.output.finish_reason)
             return
         if params.repetition_penalty != 1.0:
@@ -527,9 +604,16 @@ class Scheduler:
         self._emit(seq, SeqEvent(
             seq.request_id, tail, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.generated), token_ids=list(seq.generated), full_text=seq.output.text,
-            metrics=metrics,
+            metrics=metrics, index=seq.index, logprobs=self._take_unsent_logprobs(seq),
+            prompt_logprobs=seq.prompt_logprobs,
+            all_logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
         ))
         self.observer.on_finished(seq)
+
+    @staticmethod
+    def _take_unsent_logprobs(seq: SequenceState) -> list[TokenLogprob]:
+        taken, seq.unsent_logprobs = seq.unsent_logprobs, []
+        return taken
 
     def _fail(self, seq: SequenceState, exc: Exception, context: str) -> None:
         """End ``seq`` with an error: the user's (a budget, the prompt) in one line, anything else
@@ -545,7 +629,7 @@ class Scheduler:
         seq.finish_reason = "error"
         self._release(seq)
         self._emit(seq, SeqEvent(seq.request_id, error=message, exception=exc, prompt_tokens=len(seq.prompt_ids),
-                                 completion_tokens=len(seq.generated)))
+                                 completion_tokens=len(seq.generated), index=seq.index))
         self.observer.on_finished(seq)
 
     def _release(self, seq: SequenceState) -> None:

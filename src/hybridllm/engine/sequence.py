@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from hybridllm.config import SamplingParams
+from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.output import RequestOutput
 from hybridllm.engine.sampling import Sampler
 from hybridllm.kvcache.base import KVCache
@@ -17,11 +18,20 @@ from hybridllm.kvcache.base import KVCache
 
 @dataclass
 class SeqEvent:
-    """What a sequence produced since its last event. The last one has ``finish_reason`` (or ``error``)."""
+    """What a sequence produced since its last event. The last one has ``finish_reason`` (or ``error``).
+
+    A request with ``n > 1`` sends the events of its n sequences, each with its ``index``; it
+    ends when all n have sent their last event.
+    """
 
     request_id: str
     text: str = ""
     token_id: int | None = None  # the token that completed ``text`` (None for the held-back tail)
+    index: int = 0  # which of the request's n sequences
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens this event completes (when asked)
+    # every prompt position (None first), on the sequence's first and last events (when asked)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    all_logprobs: list[TokenLogprob] | None = None  # every generated token's, on the last event (when asked)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     error: str | None = None
     exception: BaseException | None = None  # what failed, for in-process callers to re-raise
@@ -49,8 +59,9 @@ class SequenceState:
     prompt_ids: list[int]
     params: SamplingParams
     max_new_tokens: int
-    kv_bytes: int  # reserved for admission: (prompt + max_new_tokens) in whole pages
+    kv_bytes: int  # reserved for admission: (prompt + max_new_tokens) in whole pages, x n before the fork
     sink: Callable[[SeqEvent], None]
+    index: int = 0  # which of the request's n sequences (forks get 1 .. n-1)
     arrival_time: float = field(default_factory=time.perf_counter)
     cache: KVCache | None = None
     runner: Any = None  # hybridllm.runtime.runner.ModelRunner the sequence steps on now
@@ -63,6 +74,9 @@ class SequenceState:
     history: torch.Tensor | None = None
     prefilled: int = 0  # prompt tokens already in the cache
     pending: int | None = None  # sampled token not yet fed to the model
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs is set
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # generated tokens' (when params.logprobs is set)
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # not carried by an event yet
     scheduled_time: float | None = None
     start_time: float | None = None  # when its first forward could start (TTFT counts from here)
     first_token_time: float | None = None

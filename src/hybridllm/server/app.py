@@ -22,9 +22,10 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridllm import __version__
 from hybridllm.config import SamplingParams
+from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
 from hybridllm.errors import HybridLLMError
+from hybridllm.server.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from hybridllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridllm.server.protocol import (
     APIError,
@@ -181,13 +184,40 @@ def create_app(
             raise APIError(400, f"the model '{name}' does not exist; this server serves '{served}'",
                            param="model", code="model_not_found")
 
+    token_text = TokenText(llm.tokenizer)
+
+    def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's ``logit_bias`` (token id as a string -> bias) checked against the vocabulary."""
+        out = {}
+        for key, bias in (raw or {}).items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= token_id < scheduler.vocab_size:
+                raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary "
+                               f"(0..{scheduler.vocab_size - 1})", param="logit_bias")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}",
+                               param="logit_bias")
+            out[token_id] = float(bias)
+        return out
+
+    def repetition_penalty(req: ChatCompletionRequest | CompletionRequest) -> float:
+        """``repetition_penalty``, or llama.cpp's ``repeat_penalty`` (the same when both are given)."""
+        value, alias = req.repetition_penalty, req.repeat_penalty
+        if alias is not None and value is not None and alias != value:
+            raise APIError(400, f"repeat_penalty ({alias}) is llama.cpp's name of repetition_penalty ({value}); "
+                           f"give one of them", param="repeat_penalty")
+        value = alias if value is None else value
+        return 1.0 if value is None else float(value)
+
     def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                        default_max: int | None, prompt_len: int) -> SamplingParams:
-        if req.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0); use repetition_penalty", param=name)
+                        default_max: int | None, prompt_len: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        if (req.n or 1) > scheduler.max_batch:
+            raise APIError(400, f"n={req.n} choices do not fit in this server's batch of {scheduler.max_batch} "
+                           f"sequences; lower n", param="n")
         ctx = scheduler.context_length
         if prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context window is {ctx}; "
@@ -210,10 +240,16 @@ def create_app(
                 top_p=1.0 if req.top_p is None else float(req.top_p),
                 top_k=max(0, req.top_k or 0),
                 min_p=req.min_p or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                repetition_penalty=repetition_penalty(req),
                 seed=req.seed,
                 stop=stop,
                 ignore_eos=bool(req.ignore_eos),
+                presence_penalty=float(req.presence_penalty or 0.0),
+                frequency_penalty=float(req.frequency_penalty or 0.0),
+                logit_bias=logit_bias(req.logit_bias),
+                n=req.n or 1,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except HybridLLMError as exc:
             raise APIError(400, str(exc)) from None
@@ -238,9 +274,12 @@ def create_app(
             raise APIError(400, str(exc)) from None
         return queue
 
-    async def collect(request: Request, request_id: str, queue: asyncio.Queue[SeqEvent]) -> SeqEvent | None:
-        """Wait for the last event; None (and the request aborted) if the client went away."""
+    async def collect(request: Request, request_id: str, queue: asyncio.Queue[SeqEvent],
+                      n: int) -> list[SeqEvent] | None:
+        """Wait for the last events of the request's ``n`` sequences (by index), or its first
+        error event alone; None (and the request aborted) if the client went away."""
         finished = False
+        finals: list[SeqEvent] = []
         getter: asyncio.Future[SeqEvent] | None = None
         try:
             while True:
@@ -253,47 +292,61 @@ def create_app(
                         return None
                     continue
                 event, getter = getter.result(), None
+                if event.error is not None:
+                    return [event]  # the finally aborts the request's other sequences
                 if event.finished:
-                    finished = True
-                    return event
+                    finals.append(event)
+                    if len(finals) == n:
+                        finished = True
+                        return sorted(finals, key=lambda final: final.index)
         finally:
             if getter is not None:
                 getter.cancel()
             if not finished:
                 scheduler.abort(request_id)
 
-    def raise_event_error(event: SeqEvent) -> None:
-        if event.error is not None:
-            raise APIError(500, event.error, type="server_error")
+    def raise_event_error(events: list[SeqEvent]) -> None:
+        for event in events:
+            if event.error is not None:
+                raise APIError(500, event.error, type="server_error")
 
-    def usage(event: SeqEvent) -> dict[str, int]:
-        return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                "total_tokens": event.prompt_tokens + event.completion_tokens}
+    def usage(events: list[SeqEvent], count_completion: bool = True) -> dict[str, int]:
+        """The prompt once, and every sequence's completion tokens."""
+        prompt_tokens = events[0].prompt_tokens
+        completion_tokens = sum(event.completion_tokens for event in events) if count_completion else 0
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    async def stream_events(request_id: str, queue: asyncio.Queue[SeqEvent], chunk: Any,
-                            include_usage: bool, first: dict[str, Any] | None) -> AsyncIterator[str]:
-        """SSE lines of one request; closing the stream early (client gone) aborts the request."""
+    async def stream_events(request_id: str, queue: asyncio.Queue[SeqEvent], chunk: Any, include_usage: bool,
+                            head: list[dict[str, Any]], content: Callable[[SeqEvent], list[dict[str, Any]]],
+                            n: int, count_completion: bool = True) -> AsyncIterator[str]:
+        """SSE lines of one request: ``head``, then ``content(event)`` of each event and a finish
+        chunk per sequence, until its ``n`` sequences end; closing the stream early (client gone)
+        aborts the request."""
         finished = False
+        finals: list[SeqEvent] = []
         try:
-            if first is not None:
-                yield sse(first)
+            for payload in head:
+                yield sse(payload)
             while True:
                 event = await queue.get()
                 if event.error is not None:
-                    finished = True
                     yield sse(error_body(event.error, type="server_error"))
-                    break
-                if event.text:
-                    yield sse(chunk(text=event.text))
+                    break  # the finally aborts the request's other sequences
+                for payload in content(event):
+                    yield sse(payload)
                 if event.finished:
-                    finished = True
-                    yield sse(chunk(finish_reason=event.finish_reason))
-                    if include_usage:
-                        yield sse(chunk(usage=usage(event)))
-                    break
+                    finals.append(event)
+                    reason = event.finish_reason if count_completion else "length"
+                    yield sse(chunk(finish_reason=reason, index=event.index))
+                    if len(finals) == n:
+                        finished = True
+                        if include_usage:
+                            yield sse(chunk(usage=usage(finals, count_completion)))
+                        break
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
@@ -306,23 +359,30 @@ def create_app(
         check_model(body.model)
         if not body.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        want_logprobs = bool(body.logprobs)
+        if body.top_logprobs is not None and not want_logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt_ids = await run_in_threadpool(llm.encode_prompt, messages)
         except HybridLLMError as exc:
             raise APIError(400, f"cannot format the messages: {exc}", param="messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, max_tokens, None, len(prompt_ids))
+        params = sampling_params(body, max_tokens, None, len(prompt_ids),
+                                 logprobs=(body.top_logprobs or 0) if want_logprobs else None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         queue = submit(request_id, prompt_ids, params)
+
+        def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            return chat_logprobs(entries or [], token_text) if want_logprobs else None
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             def chunk(text: str | None = None, finish_reason: str | None = None,
-                      usage: dict[str, int] | None = None, role: bool = False) -> dict[str, Any]:
+                      usage: dict[str, int] | None = None, role: bool = False, index: int = 0,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": now,
                                        "model": served}
                 if usage is not None:
@@ -334,32 +394,36 @@ def create_app(
                     delta = {"role": "assistant", "content": ""}
                 elif text is not None:
                     delta = {"content": text}
-                out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+                out["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs,
+                                   "finish_reason": finish_reason}]
                 if include_usage:
                     out["usage"] = None
                 return out
 
-            return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, chunk(role=True)),
+            def content(event: SeqEvent) -> list[dict[str, Any]]:
+                if not (event.text or event.logprobs):
+                    return []
+                return [chunk(text=event.text, index=event.index, logprobs=logprobs_of(event.logprobs))]
+
+            head = [chunk(role=True, index=index) for index in range(params.n)]
+            return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, head, content, params.n),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        event = await collect(request, request_id, queue)
-        if event is None:
+        events = await collect(request, request_id, queue, params.n)
+        if events is None:
             return Response(status_code=499)
-        raise_event_error(event)
+        raise_event_error(events)
         return {
             "id": request_id, "object": "chat.completion", "created": now, "model": served,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": event.full_text},
-                         "finish_reason": event.finish_reason, "logprobs": None}],
-            "usage": usage(event),
+            "choices": [{"index": event.index, "message": {"role": "assistant", "content": event.full_text},
+                         "finish_reason": event.finish_reason, "logprobs": logprobs_of(event.all_logprobs)}
+                        for event in events],
+            "usage": usage(events),
         }
 
     @app.post("/v1/completions", dependencies=auth, response_model=CompletionResponse,
               responses=ERROR_RESPONSES, summary="Text completion (JSON, or SSE when stream=true)")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of not in (None, 1):
@@ -381,37 +445,80 @@ def create_app(
                 scheduler.check_prompt(prompt_ids)
             except HybridLLMError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
-        params = sampling_params(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids))
+        echo, want_logprobs = bool(body.echo), body.logprobs is not None
+        prompt_text = ""
+        if echo:  # the prompt as given; token ids as their text (special tokens spelled out)
+            prompt_text = prompt if isinstance(prompt, str) else await run_in_threadpool(llm.tokenizer.decode,
+                                                                                        prompt_ids)
+        # max_tokens 0 (the prompt's log-probabilities alone): the engine samples one token, never sent
+        generate = body.max_tokens != 0
+        params = sampling_params(body, body.max_tokens if generate else 1, DEFAULT_COMPLETION_MAX_TOKENS,
+                                 len(prompt_ids), logprobs=body.logprobs,
+                                 prompt_logprobs=body.logprobs if echo and want_logprobs else None)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         queue = submit(request_id, prompt_ids, params)
+        completion_start = len(prompt_text)  # text_offset of the first generated token
+
+        def prompt_logprobs_of(event: SeqEvent) -> dict[str, Any]:
+            return completion_logprobs(prompt_ids, event.prompt_logprobs or [], token_text)
+
+        def choice_logprobs(event: SeqEvent) -> dict[str, Any] | None:
+            if not want_logprobs:
+                return None
+            entries = (event.all_logprobs or []) if generate else []
+            out = completion_logprobs([e.token_id for e in entries], entries, token_text, completion_start)
+            return join_completion_logprobs(prompt_logprobs_of(event), out) if echo else out
+
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            offsets = [completion_start] * params.n  # text_offset of each choice's next token
+            echoed: set[int] = set()
 
             def chunk(text: str | None = None, finish_reason: str | None = None,
-                      usage: dict[str, int] | None = None) -> dict[str, Any]:
+                      usage: dict[str, int] | None = None, index: int = 0,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": now,
                                        "model": served}
                 if usage is not None:
                     out["choices"] = []
                     out["usage"] = usage
                     return out
-                out["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+                out["choices"] = [{"index": index, "text": text or "", "logprobs": logprobs,
+                                   "finish_reason": finish_reason}]
                 if include_usage:
                     out["usage"] = None
                 return out
 
-            return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, None),
+            def content(event: SeqEvent) -> list[dict[str, Any]]:
+                out = []
+                if echo and want_logprobs and event.index not in echoed:  # the prompt's come with its first event
+                    echoed.add(event.index)
+                    out.append(chunk(text=prompt_text, index=event.index, logprobs=prompt_logprobs_of(event)))
+                if generate and (event.text or event.logprobs):
+                    logprobs = None
+                    if want_logprobs:
+                        ids = [e.token_id for e in event.logprobs]
+                        logprobs = completion_logprobs(ids, event.logprobs, token_text, offsets[event.index])
+                        offsets[event.index] += sum(len(t) for t in logprobs["tokens"])
+                    out.append(chunk(text=event.text, index=event.index, logprobs=logprobs))
+                return out
+
+            # the echoed prompt up front; with log-probabilities it waits for them (the first event)
+            head = [chunk(text=prompt_text, index=i) for i in range(params.n)] if echo and not want_logprobs else []
+            return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, head, content, params.n,
+                                                   count_completion=generate),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        event = await collect(request, request_id, queue)
-        if event is None:
+        events = await collect(request, request_id, queue, params.n)
+        if events is None:
             return Response(status_code=499)
-        raise_event_error(event)
+        raise_event_error(events)
         return {
             "id": request_id, "object": "text_completion", "created": now, "model": served,
-            "choices": [{"index": 0, "text": event.full_text, "finish_reason": event.finish_reason,
-                         "logprobs": None}],
-            "usage": usage(event),
+            "choices": [{"index": event.index, "text": prompt_text + (event.full_text if generate else ""),
+                         "finish_reason": event.finish_reason if generate else "length",
+                         "logprobs": choice_logprobs(event)} for event in events],
+            "usage": usage(events, count_completion=generate),
         }
 
     @app.get("/v1/models", dependencies=auth, response_model=ModelList, responses=ERROR_RESPONSES,

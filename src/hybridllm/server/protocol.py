@@ -3,7 +3,8 @@
 Requests are validated strictly (a string where a number belongs is an error, not coerced);
 unknown fields are ignored, as OpenAI clients send fields this server has no use for. Beyond
 OpenAI's fields, a few of vLLM's sampling extras are accepted (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``; pass them with the client's ``extra_body``).
+``repetition_penalty``, ``ignore_eos``; pass them with the client's ``extra_body``), and
+llama.cpp's ``repeat_penalty`` (an alias of ``repetition_penalty``).
 """
 
 from __future__ import annotations
@@ -94,19 +95,22 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1.")
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int | None = Field(default=None, ge=1, description="Only 1 is supported.")
+    n: int | None = Field(default=None, ge=1, description="Completions to generate; they share the prompt's KV.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description="Only 0 is supported.")
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description="Only 0 is supported.")
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(default=None, description="Token id -> bias in [-100, 100].")
     user: str | None = None
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1, description="0 or -1 disables.")
     min_p: float | None = Field(default=None, ge=0, lt=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool | None = False
+    # llama.cpp's name of repetition_penalty
+    repeat_penalty: float | None = Field(default=None, gt=0, description="Alias of repetition_penalty.")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -114,15 +118,18 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1, description="Alias of max_tokens.")
-    logprobs: bool | None = Field(default=None, description="Not supported (false only).")
+    logprobs: bool | None = Field(default=None, description="Return each generated token's log-probability.")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Alternatives per token (needs logprobs).")
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = Field(default=None, description="Not supported (false only).")
-    logprobs: int | None = Field(default=None, description="Not supported (null only).")
+    max_tokens: int | None = Field(default=None, ge=0, description="Most tokens to generate (0 with echo).")
+    echo: bool | None = Field(default=None, description="Return the prompt before the completion.")
+    logprobs: int | None = Field(default=None, ge=0, le=20,
+                                 description="Log-probabilities with this many alternatives per token.")
     suffix: str | None = Field(default=None, description="Not supported.")
     best_of: int | None = Field(default=None, description="Only 1 is supported.")
 
@@ -134,6 +141,29 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy shape: one entry per position (``null`` where none, as the first prompt token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -143,7 +173,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -159,7 +189,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
