@@ -164,12 +164,32 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate: its text must match a JSON schema.
+
+    The request loop compiles it into a grammar (``hybridllm.engine.structured``) that masks
+    every token that would break it; the sequence stops as soon as the grammar is complete.
+
+    Args:
+        json_schema: the JSON schema the output must validate against; ``{"type": "object"}``
+            for any JSON object.
+    """
+
+    json_schema: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.json_schema, dict):
+            raise ConfigError(f"a JSON schema must be a JSON object, got {type(self.json_schema).__name__}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop.
 
     ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0``
-    disable those filters; ``repetition_penalty == 1`` disables the penalty.
+    disable those filters; ``repetition_penalty == 1`` disables the penalty. ``structured``
+    constrains the output to a JSON schema (None: free text).
     """
 
     max_tokens: int = 128
@@ -181,6 +201,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -55,6 +55,7 @@ from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.sampling import Sampler
 from hybridllm.engine.sequence import SeqEvent, SequenceState
+from hybridllm.engine.structured import GrammarCompiler
 from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
@@ -132,6 +133,7 @@ class Scheduler:
         # the adaptive policy can move any sequence's KV to the host: then both tiers bound it
         self.capacity = tiers_capacity(TIERS if self.adaptive else admission_tiers(self.kv_strategy), budgets)
         self.host_memory = HostPeakMemory()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._cond = threading.Condition()
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._running: list[SequenceState] = []
@@ -152,8 +154,9 @@ class Scheduler:
         params: SamplingParams,
         sink: Callable[[SeqEvent], None],
     ) -> SequenceState:
-        """Queue a request. Raises ContextOverflowError (bad prompt), AdmissionError (can never
-        fit) or QueueFullError; otherwise ``sink`` gets its events from the loop's thread."""
+        """Queue a request. Raises ContextOverflowError (bad prompt), GrammarError (a structured
+        output that does not compile), AdmissionError (can never fit) or QueueFullError;
+        otherwise ``sink`` gets its events from the loop's thread."""
         prompt = [int(t) for t in prompt_ids]
         self.check_prompt(prompt)
         max_new = min(params.max_tokens, self.context_length - len(prompt))
@@ -172,6 +175,8 @@ class Scheduler:
                 f"more than its device budget allows ({limit} bytes); raise --vram-budget or lower --prefill-chunk"
             )
         seq = SequenceState(request_id, prompt, params, max_new, need, sink)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
         with self._cond:
             if self._stopping:
                 raise QueueFullError("the server is shutting down")
@@ -499,6 +504,12 @@ class Scheduler:
     def _sample(self, seq: SequenceState, logits: torch.Tensor) -> None:
         """Pick the next token, then apply the stop rules."""
         params = seq.params
+        if seq.grammar is not None:
+            try:
+                logits = seq.grammar.mask(logits)
+            except HybridLLMError as exc:
+                self._fail(seq, exc, "structured output")
+                return
         token = seq.sampler(logits, seq.history if params.repetition_penalty != 1.0 else None)
         now = time.perf_counter()
         interval = None if seq.last_token_time is None else now - seq.last_token_time
@@ -512,8 +523,16 @@ class Scheduler:
         self.observer.on_token(seq, interval)
         if piece:
             self._emit(seq, SeqEvent(seq.request_id, piece, token_id=token))
-        if seq.output.finish_reason is not None:
-            self._finish(seq, seq.output.finish_reason)
+        reason = seq.output.finish_reason
+        if seq.grammar is not None:
+            try:
+                if seq.grammar.advance(token):
+                    reason = "stop"  # the grammar is complete: nothing but the end of the sequence may follow
+            except HybridLLMError as exc:
+                self._fail(seq, exc, "structured output")
+                return
+        if reason is not None:
+            self._finish(seq, reason)
             return
         if params.repetition_penalty != 1.0:
             seq.history = torch.cat([seq.history, torch.tensor([token])])
