@@ -36,8 +36,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridllm import __version__
-from hybridllm.config import SamplingParams
+from hybridllm.config import SamplingParams, StructuredOutput
 from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
+from hybridllm.engine.structured import GrammarError
 from hybridllm.errors import HybridLLMError
 from hybridllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridllm.server.protocol import (
@@ -50,8 +51,11 @@ from hybridllm.server.protocol import (
     Health,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     error_body,
+    structured_output,
 )
+from hybridllm.server.tools import forced_call_schema, parse_tool_calls, render_with_tools
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +186,8 @@ def create_app(
                            param="model", code="model_not_found")
 
     def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                        default_max: int | None, prompt_len: int) -> SamplingParams:
+                        default_max: int | None, prompt_len: int,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -214,11 +219,14 @@ def create_app(
                 seed=req.seed,
                 stop=stop,
                 ignore_eos=bool(req.ignore_eos),
+                structured=structured,
             )
         except HybridLLMError as exc:
             raise APIError(400, str(exc)) from None
 
-    def submit(request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue[SeqEvent]:
+    def submit(request_id: str, prompt_ids: list[int], params: SamplingParams,
+               grammar_param: str = "response_format") -> asyncio.Queue[SeqEvent]:
+        """Queue the request; ``grammar_param``: the field a structured-output error names."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
 
@@ -234,6 +242,8 @@ def create_app(
         except AdmissionError as exc:
             metrics.on_rejected("kv_budget")
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+        except GrammarError as exc:
+            raise APIError(400, f"{grammar_param}: {exc}", param=grammar_param, code="invalid_schema") from None
         except HybridLLMError as exc:
             raise APIError(400, str(exc)) from None
         return queue
@@ -299,6 +309,62 @@ def create_app(
             if not finished:
                 scheduler.abort(request_id)
 
+    async def stream_whole(request_id: str, queue: asyncio.Queue[SeqEvent], chunk: Any, include_usage: bool,
+                           first: dict[str, Any], reply: Any) -> AsyncIterator[str]:
+        """SSE of a reply sent in one delta when it ends (tool calls cannot be told from text before).
+        ``reply(event)`` gives the (delta, finish_reason) of the finished request."""
+        finished = False
+        try:
+            yield sse(first)
+            while True:
+                event = await queue.get()
+                if event.error is not None:
+                    finished = True
+                    yield sse(error_body(event.error, type="server_error"))
+                    break
+                if event.finished:
+                    finished = True
+                    delta, finish_reason = reply(event)
+                    yield sse(chunk(delta=delta))
+                    yield sse(chunk(finish_reason=finish_reason))
+                    if include_usage:
+                        yield sse(chunk(usage=usage(event)))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                scheduler.abort(request_id)
+
+    def chat_tools(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], StructuredOutput | None]:
+        """The tools offered to the model (none for tool_choice "none"), and the constraint that
+        forces a call ("required" or a named function)."""
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        choice = body.tool_choice
+        if choice is not None and choice != "none" and not tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if choice == "none" or not tools:
+            return [], None
+        functions = [tool["function"] for tool in tools]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
+                raise APIError(400, f"tool_choice names '{choice.function.name}', which is not in tools",
+                               param="tool_choice")
+        elif choice != "required":
+            return tools, None
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a forced tool_choice",
+                           param="response_format")
+        return tools, StructuredOutput(forced_call_schema(functions))
+
+    def chat_reply(text: str, finish_reason: str | None, tool_names: list[str],
+                   single_call: bool) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished reply: its tool calls when it made any."""
+        calls = parse_tool_calls(text, tool_names) if tool_names else []
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls[:1] if single_call else calls}, "tool_calls"
+
     # ---- routes --------------------------------------------------------------------------
     @app.post("/v1/chat/completions", dependencies=auth, response_model=ChatCompletionResponse,
               responses=ERROR_RESPONSES, summary="Chat completion (JSON, or SSE when stream=true)")
@@ -308,47 +374,66 @@ def create_app(
             raise APIError(400, "messages must contain at least one message", param="messages")
         if body.logprobs:
             raise APIError(400, "logprobs are not supported", param="logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
+        tools, forced = chat_tools(body)
+        tool_names = [tool["function"]["name"] for tool in tools]
         try:
-            prompt_ids = await run_in_threadpool(llm.encode_prompt, messages)
+            if tools:
+                text = await run_in_threadpool(render_with_tools, llm.tokenizer, messages, tools)
+                prompt_ids = await run_in_threadpool(llm.tokenizer.encode, text, False)
+            else:
+                prompt_ids = await run_in_threadpool(llm.encode_prompt, messages)
         except HybridLLMError as exc:
             raise APIError(400, f"cannot format the messages: {exc}", param="messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, max_tokens, None, len(prompt_ids))
+        structured = forced or structured_output(body.response_format)
+        params = sampling_params(body, max_tokens, None, len(prompt_ids), structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
-        queue = submit(request_id, prompt_ids, params)
+        queue = submit(request_id, prompt_ids, params, "tools" if forced else "response_format")
+        single_call = body.parallel_tool_calls is False
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             def chunk(text: str | None = None, finish_reason: str | None = None,
-                      usage: dict[str, int] | None = None, role: bool = False) -> dict[str, Any]:
+                      usage: dict[str, int] | None = None, role: bool = False,
+                      delta: dict[str, Any] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": now,
                                        "model": served}
                 if usage is not None:
                     out["choices"] = []
                     out["usage"] = usage
                     return out
-                delta: dict[str, Any] = {}
                 if role:
                     delta = {"role": "assistant", "content": ""}
                 elif text is not None:
                     delta = {"content": text}
-                out["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+                out["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": None,
+                                   "finish_reason": finish_reason}]
                 if include_usage:
                     out["usage"] = None
                 return out
 
+            if tools:  # whole: a reply is known to be tool calls only when it ends
+                def reply(event: SeqEvent) -> tuple[dict[str, Any], str | None]:
+                    message, reason = chat_reply(event.full_text, event.finish_reason, tool_names, single_call)
+                    if "tool_calls" not in message:
+                        return {"content": message["content"]}, reason
+                    calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                    return {"tool_calls": calls}, reason
+
+                return StreamingResponse(stream_whole(request_id, queue, chunk, include_usage, chunk(role=True), reply),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             return StreamingResponse(stream_events(request_id, queue, chunk, include_usage, chunk(role=True)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         event = await collect(request, request_id, queue)
         if event is None:
             return Response(status_code=499)
         raise_event_error(event)
+        message, finish_reason = chat_reply(event.full_text, event.finish_reason, tool_names, single_call)
         return {
             "id": request_id, "object": "chat.completion", "created": now, "model": served,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": event.full_text},
-                         "finish_reason": event.finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
             "usage": usage(event),
         }
 
@@ -381,7 +466,8 @@ def create_app(
                 scheduler.check_prompt(prompt_ids)
             except HybridLLMError as exc:
                 raise APIError(400, str(exc), param="prompt") from None
-        params = sampling_params(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids))
+        params = sampling_params(body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, len(prompt_ids),
+                                 structured_output(body.response_format))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         queue = submit(request_id, prompt_ids, params)
