@@ -135,6 +135,23 @@ def test_a_token_the_grammar_refuses_and_a_bad_schema(compiler):
             compiler.matcher(StructuredOutput(schema))
 
 
+def test_a_sentencepiece_gguf_vocabulary():
+    """The grammar reads our GGUF-built tokenizers too: ``▁`` spaces and ``<0xNN>`` byte tokens."""
+    from test_tokenizer import _spm_metadata
+
+    tokenizer = Tokenizer.from_gguf_metadata(_spm_metadata())
+    matcher = GrammarCompiler(tokenizer, tokenizer.vocab_size).matcher(
+        StructuredOutput({"type": "object", "properties": {"a": {"enum": ["hello world", "cat!"]}}, "required": ["a"]}))
+    generator = torch.Generator().manual_seed(0)
+    generated: list[int] = []
+    for _ in range(60):
+        token = int(torch.argmax(matcher.mask(torch.randn(tokenizer.vocab_size, generator=generator))))
+        generated.append(token)
+        if matcher.advance(token):
+            break
+    assert json.loads(tokenizer.decode(generated))["a"] in ("hello world", "cat!")
+
+
 # ---- the request loop --------------------------------------------------------------------------
 def test_batched_rows_follow_their_own_grammars(tiny_llm):
     scheduler = Scheduler(tiny_llm.runtime, max_batch=4)
@@ -146,8 +163,9 @@ def test_batched_rows_follow_their_own_grammars(tiny_llm):
         "bool": SamplingParams(max_tokens=20, temperature=0, structured=boolean, ignore_eos=True),
         "person2": SamplingParams(max_tokens=120, temperature=0.7, seed=2, structured=StructuredOutput(PERSON)),
     }
+    prompt = tiny_llm.encode_prompt("The quick brown fox")
     for name, params in requests.items():
-        scheduler.submit(name, tiny_llm.encode_prompt("The quick brown fox"), params, events.setdefault(name, []).append)
+        scheduler.submit(name, prompt, params, events.setdefault(name, []).append)
     scheduler.run_until_idle()
     assert max(scheduler.decode_batch_sizes) >= 3  # they decoded together
     last = {name: evs[-1] for name, evs in events.items()}
