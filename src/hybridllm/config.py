@@ -164,6 +164,25 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate: its text must match a JSON schema.
+
+    The request loop compiles it into a grammar (``hybridllm.engine.structured``) that masks
+    every token that would break it; the sequence stops as soon as the grammar is complete.
+
+    Args:
+        json_schema: the JSON schema the output must validate against; ``{"type": "object"}``
+            for any JSON object.
+    """
+
+    json_schema: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.json_schema, dict):
+            raise ConfigError(f"a JSON schema must be a JSON object, got {type(self.json_schema).__name__}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop.
@@ -178,6 +197,7 @@ class SamplingParams:
     the ``logprobs`` most likely alternatives (None: off); ``prompt_logprobs``: the same for every
     prompt token but the first. Log-probabilities are the float32 log-softmax of the model's
     logits, before any penalty or filter.
+    ``structured`` constrains the output to a JSON schema (None: free text).
     """
 
     max_tokens: int = 128
@@ -195,6 +215,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

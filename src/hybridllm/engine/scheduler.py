@@ -63,6 +63,7 @@ from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.sampling import Sampler
 from hybridllm.engine.sequence import SeqEvent, SequenceState
+from hybridllm.engine.structured import GrammarCompiler
 from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
@@ -141,6 +142,7 @@ class Scheduler:
         # the adaptive policy can move any sequence's KV to the host: then both tiers bound it
         self.capacity = tiers_capacity(TIERS if self.adaptive else admission_tiers(self.kv_strategy), budgets)
         self.host_memory = HostPeakMemory()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self._cond = threading.Condition()
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._running: list[SequenceState] = []
@@ -161,8 +163,9 @@ class Scheduler:
         params: SamplingParams,
         sink: Callable[[SeqEvent], None],
     ) -> SequenceState:
-        """Queue a request. Raises ContextOverflowError (bad prompt), AdmissionError (can never
-        fit) or QueueFullError; otherwise ``sink`` gets its events from the loop's thread."""
+        """Queue a request. Raises ContextOverflowError (bad prompt), GrammarError (a structured
+        output that does not compile), AdmissionError (can never fit) or QueueFullError;
+        otherwise ``sink`` gets its events from the loop's thread."""
         prompt = [int(t) for t in prompt_ids]
         self.check_prompt(prompt)
         self.check_params(params)
@@ -183,6 +186,8 @@ class Scheduler:
                 f"more than its device budget allows ({limit} bytes); raise --vram-budget or lower --prefill-chunk"
             )
         seq = SequenceState(request_id, prompt, params, max_new, need, sink)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
         with self._cond:
             if self._stopping:
                 raise QueueFullError("the server is shutting down")
@@ -566,10 +571,17 @@ class Scheduler:
     def _sample(self, seq: SequenceState, logits: torch.Tensor) -> None:
         """Pick the next token, then apply the stop rules."""
         params = seq.params
+        raw_logits = logits  # log-probabilities are the model's own, before the grammar's mask
+        if seq.grammar is not None:
+            try:
+                logits = seq.grammar.mask(logits)
+            except HybridLLMError as exc:
+                self._fail(seq, exc, "structured output")
+                return
         generated = torch.tensor(seq.generated, dtype=torch.long) if params.penalizes_generated else None
         token = seq.sampler(logits, seq.history if params.repetition_penalty != 1.0 else None, generated)
         if params.logprobs is not None:
-            entry = token_logprob(logits, token, params.logprobs)
+            entry = token_logprob(raw_logits, token, params.logprobs)
             seq.logprobs.append(entry)
             seq.unsent_logprobs.append(entry)
         now = time.perf_counter()
@@ -582,7 +594,15 @@ class Scheduler:
         self.host_memory.sample()
         piece = seq.output.push(token)
         self.observer.on_token(seq, interval)
-        finishing = seq.output.finish_reason is not None
+        reason = seq.output.finish_reason
+        if seq.grammar is not None:
+            try:
+                if seq.grammar.advance(token):
+                    reason = "stop"  # the grammar is complete: nothing but the end of the sequence may follow
+            except HybridLLMError as exc:
+                self._fail(seq, exc, "structured output")
+                return
+        finishing = reason is not None
         # with logprobs every token gets its event (the last one rides on the finishing event)
         if piece or (seq.unsent_logprobs and not finishing):
             first = len(seq.generated) == 1
@@ -590,7 +610,7 @@ class Scheduler:
                                      logprobs=self._take_unsent_logprobs(seq),
                                      prompt_logprobs=seq.prompt_logprobs if first else None))
         if finishing:
-            self._finish(seq, seq.output.finish_reason)
+            self._finish(seq, reason)
             return
         if params.repetition_penalty != 1.0:
             seq.history = torch.cat([seq.history, torch.tensor([token])])

@@ -13,6 +13,7 @@ from hybridllm.config import SamplingParams
 from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.output import RequestOutput
 from hybridllm.engine.sampling import Sampler
+from hybridllm.engine.structured import GrammarMatcher
 from hybridllm.kvcache.base import KVCache
 
 
@@ -70,6 +71,7 @@ class SequenceState:
     reported_actions: int = 0  # how many of ``actions`` the observer has heard of
     hop_bytes: int = 0  # hidden-state bytes that crossed tiers for this sequence
     sampler: Sampler | None = None
+    grammar: GrammarMatcher | None = None  # masks the logits when the output is structured
     output: RequestOutput | None = None  # text, stop rules, token budget
     history: torch.Tensor | None = None
     prefilled: int = 0  # prompt tokens already in the cache

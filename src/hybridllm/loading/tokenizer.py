@@ -592,6 +592,12 @@ class Tokenizer:
             return None
         return self._backend.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The whole tokenization pipeline (vocabulary, merges, special tokens, decoder) as
+        ``tokenizer.json`` text; GGUF tokenizers included, as rebuilt here. Libraries that take a
+        Hugging Face ``tokenizers`` description (the grammar engine) load it."""
+        return self._backend.to_str()
+
     # -- encoding and decoding ------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Turn text into token ids.

@@ -37,9 +37,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridllm import __version__
-from hybridllm.config import SamplingParams
+from hybridllm.config import SamplingParams, StructuredOutput
 from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
+from hybridllm.engine.structured import GrammarError
 from hybridllm.errors import HybridLLMError
 from hybridllm.server.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from hybridllm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -53,8 +54,11 @@ from hybridllm.server.protocol import (
     Health,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     error_body,
+    structured_output,
 )
+from hybridllm.server.tools import forced_call_schema, parse_tool_calls, render_with_tools
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +218,8 @@ def create_app(
 
     def sampling_params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                         default_max: int | None, prompt_len: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         if (req.n or 1) > scheduler.max_batch:
             raise APIError(400, f"n={req.n} choices do not fit in this server's batch of {scheduler.max_batch} "
                            f"sequences; lower n", param="n")
@@ -250,11 +255,14 @@ def create_app(
                 n=req.n or 1,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured=structured,
             )
         except HybridLLMError as exc:
             raise APIError(400, str(exc)) from None
 
-    def submit(request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue[SeqEvent]:
+    def submit(request_id: str, prompt_ids: list[int], params: SamplingParams,
+               grammar_param: str = "response_format") -> asyncio.Queue[SeqEvent]:
+        """Queue the request; ``grammar_param``: the field a structured-output error names."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
 
@@ -270,6 +278,8 @@ def create_app(
         except AdmissionError as exc:
             metrics.on_rejected("kv_budget")
             raise APIError(400, str(exc), param="max_tokens", code="kv_budget_exceeded") from None
+        except GrammarError as exc:
+            raise APIError(400, f"{grammar_param}: {exc}", param=grammar_param, code="invalid_schema") from None
         except HybridLLMError as exc:
             raise APIError(400, str(exc)) from None
         return queue
@@ -352,6 +362,62 @@ def create_app(
             if not finished:
                 scheduler.abort(request_id)
 
+    async def stream_whole(request_id: str, queue: asyncio.Queue[SeqEvent], chunk: Any, include_usage: bool,
+                           first: dict[str, Any], reply: Any) -> AsyncIterator[str]:
+        """SSE of a reply sent in one delta when it ends (tool calls cannot be told from text before).
+        ``reply(event)`` gives the (delta, finish_reason) of the finished request."""
+        finished = False
+        try:
+            yield sse(first)
+            while True:
+                event = await queue.get()
+                if event.error is not None:
+                    finished = True
+                    yield sse(error_body(event.error, type="server_error"))
+                    break
+                if event.finished:
+                    finished = True
+                    delta, finish_reason = reply(event)
+                    yield sse(chunk(delta=delta))
+                    yield sse(chunk(finish_reason=finish_reason))
+                    if include_usage:
+                        yield sse(chunk(usage=usage([event])))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                scheduler.abort(request_id)
+
+    def chat_tools(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], StructuredOutput | None]:
+        """The tools offered to the model (none for tool_choice "none"), and the constraint that
+        forces a call ("required" or a named function)."""
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        choice = body.tool_choice
+        if choice is not None and choice != "none" and not tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if choice == "none" or not tools:
+            return [], None
+        functions = [tool["function"] for tool in tools]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
+                raise APIError(400, f"tool_choice names '{choice.function.name}', which is not in tools",
+                               param="tool_choice")
+        elif choice != "required":
+            return tools, None
+        if body.response_format is not None and body.response_format.type != "text":
+            raise APIError(400, "response_format cannot be combined with a forced tool_choice",
+                           param="response_format")
+        return tools, StructuredOutput(forced_call_schema(functions))
+
+    def chat_reply(text: str, finish_reason: str | None, tool_names: list[str],
+                   single_call: bool) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a finished reply: its tool calls when it made any."""
+        calls = parse_tool_calls(text, tool_names) if tool_names else []
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls[:1] if single_call else calls}, "tool_calls"
+
     # ---- routes --------------------------------------------------------------------------
     @app.post("/v1/chat/completions", dependencies=auth, response_model=ChatCompletionResponse,
               responses=ERROR_RESPONSES, summary="Chat completion (JSON, or SSE when stream=true)")
@@ -362,17 +428,27 @@ def create_app(
         want_logprobs = bool(body.logprobs)
         if body.top_logprobs is not None and not want_logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.template_message() for m in body.messages]
+        tools, forced = chat_tools(body)
+        tool_names = [tool["function"]["name"] for tool in tools]
+        if tools and (body.n or 1) > 1:
+            raise APIError(400, "n > 1 together with tools is not supported", param="n")
         try:
-            prompt_ids = await run_in_threadpool(llm.encode_prompt, messages)
+            if tools:
+                text = await run_in_threadpool(render_with_tools, llm.tokenizer, messages, tools)
+                prompt_ids = await run_in_threadpool(llm.tokenizer.encode, text, False)
+            else:
+                prompt_ids = await run_in_threadpool(llm.encode_prompt, messages)
         except HybridLLMError as exc:
             raise APIError(400, f"cannot format the messages: {exc}", param="messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        structured = forced or structured_output(body.response_format)
         params = sampling_params(body, max_tokens, None, len(prompt_ids),
-                                 logprobs=(body.top_logprobs or 0) if want_logprobs else None)
+                                 logprobs=(body.top_logprobs or 0) if want_logprobs else None, structured=structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
-        queue = submit(request_id, prompt_ids, params)
+        queue = submit(request_id, prompt_ids, params, "tools" if forced else "response_format")
+        single_call = body.parallel_tool_calls is False
 
         def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
             return chat_logprobs(entries or [], token_text) if want_logprobs else None
@@ -382,23 +458,33 @@ def create_app(
 
             def chunk(text: str | None = None, finish_reason: str | None = None,
                       usage: dict[str, int] | None = None, role: bool = False, index: int = 0,
-                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                      logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": now,
                                        "model": served}
                 if usage is not None:
                     out["choices"] = []
                     out["usage"] = usage
                     return out
-                delta: dict[str, Any] = {}
                 if role:
                     delta = {"role": "assistant", "content": ""}
                 elif text is not None:
                     delta = {"content": text}
-                out["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs,
+                out["choices"] = [{"index": index, "delta": delta or {}, "logprobs": logprobs,
                                    "finish_reason": finish_reason}]
                 if include_usage:
                     out["usage"] = None
                 return out
+
+            if tools:  # whole: a reply is known to be tool calls only when it ends
+                def reply(event: SeqEvent) -> tuple[dict[str, Any], str | None]:
+                    message, reason = chat_reply(event.full_text, event.finish_reason, tool_names, single_call)
+                    if "tool_calls" not in message:
+                        return {"content": message["content"]}, reason
+                    calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                    return {"tool_calls": calls}, reason
+
+                return StreamingResponse(stream_whole(request_id, queue, chunk, include_usage, chunk(role=True), reply),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
             def content(event: SeqEvent) -> list[dict[str, Any]]:
                 if not (event.text or event.logprobs):
@@ -412,11 +498,14 @@ def create_app(
         if events is None:
             return Response(status_code=499)
         raise_event_error(events)
+        choices = []
+        for event in events:
+            message, finish_reason = chat_reply(event.full_text, event.finish_reason, tool_names, single_call)
+            choices.append({"index": event.index, "message": message, "finish_reason": finish_reason,
+                            "logprobs": logprobs_of(event.all_logprobs)})
         return {
             "id": request_id, "object": "chat.completion", "created": now, "model": served,
-            "choices": [{"index": event.index, "message": {"role": "assistant", "content": event.full_text},
-                         "finish_reason": event.finish_reason, "logprobs": logprobs_of(event.all_logprobs)}
-                        for event in events],
+            "choices": choices,
             "usage": usage(events),
         }
 
@@ -454,7 +543,8 @@ def create_app(
         generate = body.max_tokens != 0
         params = sampling_params(body, body.max_tokens if generate else 1, DEFAULT_COMPLETION_MAX_TOKENS,
                                  len(prompt_ids), logprobs=body.logprobs,
-                                 prompt_logprobs=body.logprobs if echo and want_logprobs else None)
+                                 prompt_logprobs=body.logprobs if echo and want_logprobs else None,
+                                 structured=structured_output(body.response_format))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         queue = submit(request_id, prompt_ids, params)

@@ -5,13 +5,17 @@ unknown fields are ignored, as OpenAI clients send fields this server has no use
 OpenAI's fields, a few of vLLM's sampling extras are accepted (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``; pass them with the client's ``extra_body``), and
 llama.cpp's ``repeat_penalty`` (an alias of ``repetition_penalty``).
+``response_format`` and ``tools``/``tool_choice`` are OpenAI's; see :mod:`hybridllm.server.tools`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from hybridllm.config import StructuredOutput
 
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
 
@@ -73,11 +77,28 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string.")
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made (in a reply, or in the history sent back)."""
+
+    model_config = _REQUEST_CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -85,6 +106,93 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention: a call's arguments
+        as an object, the answered call's id on a tool message)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="A JSON schema of the arguments.")
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _REQUEST_CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    model_config = _REQUEST_CONFIG
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema", description="Absent: any JSON value.")
+    strict: bool | None = None
+
+
+class TextResponseFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["text"]
+
+
+class JSONObjectResponseFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(BaseModel):
+    model_config = _REQUEST_CONFIG
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextResponseFormat | JSONObjectResponseFormat | JSONSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+def structured_output(response_format: ResponseFormat | None) -> StructuredOutput | None:
+    """The constraint a ``response_format`` asks for (None: free text)."""
+    if isinstance(response_format, JSONObjectResponseFormat):
+        return StructuredOutput({"type": "object"})
+    if isinstance(response_format, JSONSchemaResponseFormat):
+        schema = response_format.json_schema.json_schema
+        return StructuredOutput({} if schema is None else schema)
+    return None
 
 
 class SamplingFields(BaseModel):
@@ -111,6 +219,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = False
     # llama.cpp's name of repetition_penalty
     repeat_penalty: float | None = Field(default=None, gt=0, description="Alias of repetition_penalty.")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object, or json_schema: the reply is constrained by a grammar.")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -120,6 +230,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1, description="Alias of max_tokens.")
     logprobs: bool | None = Field(default=None, description="Return each generated token's log-probability.")
     top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Alternatives per token (needs logprobs).")
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description="none, auto (the default with tools), required, or a named function.")
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call per reply.")
 
 
 class CompletionRequest(SamplingFields):
@@ -166,7 +280,8 @@ class CompletionLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
