@@ -8,9 +8,15 @@
     app = create_app(llm, Scheduler(llm.runtime, max_batch=16))   # serve with uvicorn.run(app, ...)
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and the OpenAPI schema at
-``/openapi.json`` (``/docs`` renders it). Errors are OpenAI error objects. When an API key is
-set, every ``/v1`` route needs ``Authorization: Bearer <key>``.
+``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize``
+(llama.cpp's shapes), ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus), and the
+OpenAPI schema at ``/openapi.json`` (``/docs`` renders it). Errors are OpenAI error objects.
+When an API key is set, every ``/v1`` route and the tokenizer routes need
+``Authorization: Bearer <key>``. Every completion and stream chunk carries the
+``system_fingerprint`` of the build (:mod:`hybridllm.server.fingerprint`). Request bodies over
+``max_request_bytes`` get 413; OpenAI fields the server does not implement get 400
+(:mod:`hybridllm.server.unsupported`); while the server drains for shutdown, new requests get
+503 (:mod:`hybridllm.server.shutdown`).
 
 The HTTP side runs on the asyncio loop; the model runs only on the scheduler's loop thread,
 which hands events back with ``loop.call_soon_threadsafe``.
@@ -39,6 +45,8 @@ from hybridllm import __version__
 from hybridllm.config import SamplingParams
 from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
 from hybridllm.errors import HybridLLMError
+from hybridllm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from hybridllm.server.fingerprint import system_fingerprint
 from hybridllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridllm.server.protocol import (
     APIError,
@@ -46,12 +54,19 @@ from hybridllm.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionInfo,
     error_body,
 )
+from hybridllm.server.shutdown import Draining, RefuseWhileDraining
+from hybridllm.server.unsupported import refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +77,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
-    503: {"model": ErrorResponse, "description": "Queue full (see Retry-After)"},
+    413: {"model": ErrorResponse, "description": "Request body over the size limit"},
+    503: {"model": ErrorResponse, "description": "Queue full (see Retry-After), or shutting down"},
 }
 
 
@@ -82,6 +98,7 @@ def create_app(
     model_name: str | None = None,
     api_key: str | None = None,
     manage_scheduler: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """Build the app around ``llm`` (an ``LLM``: tokenizer, chat template) and its request loop.
 
@@ -92,6 +109,10 @@ def create_app(
         model_name: the served model id (default: from the checkpoint's path).
         api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
         manage_scheduler: start the scheduler's loop with the app and stop it at shutdown.
+        max_request_bytes: the largest request body accepted (bigger: 413).
+
+    The app's state holds ``scheduler``, ``metrics``, ``model_name`` and ``draining`` (the
+    switch a :class:`~hybridllm.server.shutdown.GracefulServer` turns on at SIGTERM).
     """
     scheduler = scheduler if scheduler is not None else llm.engine.scheduler
     served = model_name or default_model_name(llm)
@@ -104,6 +125,8 @@ def create_app(
     metrics = ServerMetrics(scheduler, served)
     scheduler.observer = metrics
     created = int(time.time())
+    fingerprint = system_fingerprint(scheduler.runtime)
+    draining = Draining()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -124,6 +147,9 @@ def create_app(
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.model_name = served
+    app.state.draining = draining
+    app.add_middleware(RefuseWhileDraining, draining=draining)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     # ---- errors --------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -304,6 +330,7 @@ def create_app(
               responses=ERROR_RESPONSES, summary="Chat completion (JSON, or SSE when stream=true)")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        refuse_unsupported(body.model_extra)
         if not body.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
         if body.logprobs:
@@ -324,7 +351,7 @@ def create_app(
             def chunk(text: str | None = None, finish_reason: str | None = None,
                       usage: dict[str, int] | None = None, role: bool = False) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": now,
-                                       "model": served}
+                                       "model": served, "system_fingerprint": fingerprint}
                 if usage is not None:
                     out["choices"] = []
                     out["usage"] = usage
@@ -347,6 +374,7 @@ def create_app(
         raise_event_error(event)
         return {
             "id": request_id, "object": "chat.completion", "created": now, "model": served,
+            "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": event.full_text},
                          "finish_reason": event.finish_reason, "logprobs": None}],
             "usage": usage(event),
@@ -356,6 +384,7 @@ def create_app(
               responses=ERROR_RESPONSES, summary="Text completion (JSON, or SSE when stream=true)")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        refuse_unsupported(body.model_extra)
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
         if body.logprobs is not None:
@@ -391,7 +420,7 @@ def create_app(
             def chunk(text: str | None = None, finish_reason: str | None = None,
                       usage: dict[str, int] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": now,
-                                       "model": served}
+                                       "model": served, "system_fingerprint": fingerprint}
                 if usage is not None:
                     out["choices"] = []
                     out["usage"] = usage
@@ -409,6 +438,7 @@ def create_app(
         raise_event_error(event)
         return {
             "id": request_id, "object": "text_completion", "created": now, "model": served,
+            "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "text": event.full_text, "finish_reason": event.finish_reason,
                          "logprobs": None}],
             "usage": usage(event),
@@ -417,14 +447,49 @@ def create_app(
     @app.get("/v1/models", dependencies=auth, response_model=ModelList, responses=ERROR_RESPONSES,
              summary="The served model")
     async def models() -> Any:
-        return {"object": "list", "data": [ModelCard(id=served, created=created,
-                                                     max_model_len=scheduler.context_length).model_dump()]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/health", response_model=Health, summary="200 while the scheduler runs, 503 otherwise")
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, response_model=ModelCard,
+             responses={**ERROR_RESPONSES, 404: {"model": ErrorResponse, "description": "Unknown model id"}},
+             summary="One model (404 for an id this server does not serve)")
+    async def model(model_id: str) -> Any:
+        if model_id not in aliases:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    def model_card() -> dict[str, Any]:
+        return ModelCard(id=served, created=created, max_model_len=scheduler.context_length).model_dump()
+
+    @app.post("/tokenize", dependencies=auth, response_model=TokenizeResponse, responses=ERROR_RESPONSES,
+              summary="Text to token ids (llama.cpp's shape; with_pieces: each id with its text)")
+    async def tokenize(body: TokenizeRequest) -> Any:
+        ids = await run_in_threadpool(llm.tokenizer.encode, body.content, body.add_special)
+        if not body.with_pieces:
+            return {"tokens": ids}
+        # a piece is the token decoded alone: a token holding part of a character shows U+FFFD
+        return {"tokens": [{"id": i, "piece": llm.tokenizer.decode([i])} for i in ids]}
+
+    @app.post("/detokenize", dependencies=auth, response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
+              summary="Token ids to text (llama.cpp's shape)")
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        bad = [i for i in body.tokens if not 0 <= i < scheduler.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{scheduler.vocab_size - 1})",
+                           param="tokens", code="invalid_value")
+        return {"content": await run_in_threadpool(llm.tokenizer.decode, body.tokens)}
+
+    @app.get("/version", response_model=VersionInfo, summary="The server's version and build fingerprint")
+    async def version() -> Any:
+        return {"version": __version__, "system_fingerprint": fingerprint, "model": served,
+                "weights_format": str(scheduler.runtime.weights_format)}
+
+    @app.get("/health", response_model=Health,
+             summary="200 while the scheduler runs, 503 when stopped or draining for shutdown")
     async def health() -> Any:
-        body = {"status": "ok" if scheduler.is_running else "stopped", "running": scheduler.num_running,
-                "waiting": scheduler.num_waiting}
-        return JSONResponse(body, status_code=200 if scheduler.is_running else 503)
+        status = "draining" if draining.active else "ok" if scheduler.is_running else "stopped"
+        body = {"status": status, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def prometheus_metrics() -> Response:
