@@ -547,7 +547,7 @@ def test_request_body_over_the_limit_gets_413_with_an_error_object(live):
 def test_metrics_counters_kv_usage_and_phase_histograms(live):
     base, _client, model = live
     text = httpx.get(f"{base}/metrics").text
-    assert "# TYPE hybridllm:bus_bytes counter" in text and "hybridllm:bus_bytes_total{" in text
+    assert "# TYPE hybridllm:bus_bytes_total counter" in text and "hybridllm:bus_bytes_total{" in text
     assert re.search(r"^hybridllm:bus_bytes[{ ]", text, re.M) is None  # no gauge left under the old name
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -596,10 +596,13 @@ def test_every_grafana_dashboard_query_resolves_against_a_live_metrics_scrape(li
     chat(client, model, "hi", max_tokens=4)  # every histogram has a sample
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     assert len(exprs) >= 16
-    exposed = {line.split("{")[0].split(" ")[0] for line in httpx.get(f"{base}/metrics").text.splitlines()
-               if line and not line.startswith("#")}
+    scrape = [line for line in httpx.get(f"{base}/metrics").text.splitlines() if line and not line.startswith("#")]
+    exposed = {line.split("{")[0].split(" ")[0] for line in scrape}
+    for variable in dashboard["templating"]["list"]:  # Grafana's label_values(metric, label), not PromQL
+        if "definition" in variable:
+            metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", variable["definition"]).groups()
+            assert any(line.startswith(metric + "{") and f'{label}="' in line for line in scrape), variable
     used = set()
     for expr in exprs:
         names = promql_metric_names(expr.replace("$__rate_interval", "1m"))
