@@ -120,6 +120,13 @@ def test_prompt_from_stdin(tiny_models):
     assert json.loads(proc.stdout)["metrics"]["prompt_tokens"] > 0
 
 
+def test_non_utf8_prompt_on_stdin_is_a_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "hybridllm.cli", "generate", "--max-tokens", "3"],
+                          input=b"caf\xe9 \xff\xfe", capture_output=True, timeout=300)
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(),
+                                                      proc.stderr.decode()), "UTF-8", "0xe9")
+
+
 # ---- shared options: declared once, taken by every command that loads a model ------------------
 def _shared_option_names() -> set[str]:
     import dataclasses

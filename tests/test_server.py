@@ -330,7 +330,8 @@ def test_metrics_names_follow_vllm(server):
                  "hybridllm:prompt_tokens_total", "hybridllm:generation_tokens_total",
                  "hybridllm:request_success_total", "hybridllm:num_requests_running",
                  "hybridllm:num_requests_waiting", "hybridllm:kv_cache_bytes", "hybridllm:kv_cache_pages",
-                 "hybridllm:bus_bytes", "hybridllm:placement_info"):
+                 "hybridllm:bus_bytes_total", "hybridllm:request_prefill_time_seconds_bucket",
+                 "hybridllm:request_decode_time_seconds_bucket", "hybridllm:placement_info"):
         assert name in text, name
     m = metrics(server[0])
     assert m['hybridllm:request_success_total{finished_reason="stop"}'] > 0
@@ -447,3 +448,218 @@ def test_serve_with_a_split_placement_and_host_decode(tiny_models, tmp_path):
     done = subprocess.run([sys.executable, "-m", "hybridllm.cli", "serve", "--model", str(folder), "--placement",
                            str(bad)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "placement" in done.stderr
+
+
+# ---- issue 20: endpoints, refused fields, limits, metrics, the dashboard, SIGTERM -------------------
+@pytest.fixture(scope="module")
+def live(default_llm):
+    """An in-process server of the default model (its own request loop, started): (base, client, model)."""
+    from hybridllm.engine.scheduler import Scheduler
+    from hybridllm.server.app import create_app
+
+    app = create_app(default_llm, Scheduler(default_llm.runtime, max_batch=4), max_request_bytes=64 * 1024)
+    with InProcessServer(app) as srv:
+        client = openai.OpenAI(base_url=f"{srv.base}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield srv.base, client, client.models.list().data[0].id
+
+
+def test_tokenize_detokenize_version_model_by_id_and_fingerprint(live, default_llm):
+    base, client, model = live
+    text = "What is the capital of France? café 🤗"
+    ids = httpx.post(f"{base}/tokenize", json={"content": text}).json()["tokens"]
+    assert ids == default_llm.tokenizer.encode(text, add_special_tokens=False)
+    assert httpx.post(f"{base}/detokenize", json={"tokens": ids}).json() == {"content": text}
+    special = httpx.post(f"{base}/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+    assert special == default_llm.tokenizer.encode(text, add_special_tokens=True)
+    pieces = httpx.post(f"{base}/tokenize", json={"content": "Paris is big", "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == default_llm.tokenizer.encode("Paris is big", add_special_tokens=False)
+    assert "".join(p["piece"] for p in pieces) == "Paris is big"
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{base}/tokenize", json={"content": 5}).status_code == 400
+
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError) as exc_info:
+        client.models.retrieve("no-such-model")
+    assert assert_error(exc_info, 404, "model")["code"] == "model_not_found"
+
+    version = httpx.get(f"{base}/version").json()
+    fingerprint = version["system_fingerprint"]
+    assert re.fullmatch(r"hl-[0-9a-f]{10}", fingerprint) and version["model"] == model and version["version"]
+    out = chat(client, model, "hi", max_tokens=2)
+    assert out.system_fingerprint == fingerprint
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).system_fingerprint == fingerprint
+    chunks = list(chat(client, model, "hi", max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert chunks and all(c.system_fingerprint == fingerprint for c in chunks)
+    streamed = list(client.completions.create(model=model, prompt="hi", max_tokens=3, stream=True))
+    assert streamed and all(c.system_fingerprint == fingerprint for c in streamed)
+    schema = httpx.get(f"{base}/openapi.json").json()
+    for path in ("/tokenize", "/detokenize", "/version", "/v1/models/{model_id}"):
+        assert path in schema["paths"], path
+
+
+def test_unsupported_fields_are_refused_by_name_and_neutral_or_unknown_ones_pass(live):
+    from hybridllm.server.unsupported import UNSUPPORTED_FIELDS
+
+    _base, client, model = live
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    asking = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": "yes",
+              "functions": [tool["function"]], "function_call": {"name": "f"},
+              "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+              "prediction": {"type": "content", "content": "x"}, "web_search_options": {}}
+    assert set(asking) == {field.name for field in UNSUPPORTED_FIELDS}  # every row of the table is exercised
+    on_chat = {"tools", "tool_choice", "parallel_tool_calls"}  # implemented on chat (tests/test_structured_output.py)
+    for name, value in asking.items():
+        if name not in on_chat:
+            with pytest.raises(openai.BadRequestError) as exc_info:
+                client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body={name: value})
+            assert assert_error(exc_info, 400, name)["code"] == "unsupported_parameter"
+        with pytest.raises(openai.BadRequestError) as exc_info:
+            client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={name: value})
+        assert_error(exc_info, 400, name)
+    neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "parallel_tool_calls": True,
+               "modalities": ["text"], "not_an_openai_field": {"anything": 1}}
+    out = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, extra_body=neutral)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    for seed in (2**70, -(2**63) - 1, 2**63):
+        with pytest.raises(openai.BadRequestError) as exc_info:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=2, seed=seed)
+        assert_error(exc_info, 400, "seed")
+    assert chat(client, model, "hi", max_tokens=2, seed=2**63 - 1).choices[0].finish_reason in ("stop", "length")
+
+
+def test_request_body_over_the_limit_gets_413_with_an_error_object(live):
+    base, _client, model = live
+    big = {"model": model, "messages": [{"role": "user", "content": "x" * (65 * 1024)}], "max_tokens": 2}
+    r = httpx.post(f"{base}/v1/chat/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    def chunked():  # no Content-Length: counted as it arrives
+        yield json.dumps(big).encode()
+
+    r = httpx.post(f"{base}/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    small = {"model": model, "messages": [{"role": "user", "content": "x" * 1000}], "max_tokens": 2}
+    assert httpx.post(f"{base}/v1/chat/completions", json=small, timeout=300).status_code == 200
+
+
+def test_metrics_counters_kv_usage_and_phase_histograms(live):
+    base, _client, model = live
+    text = httpx.get(f"{base}/metrics").text
+    assert "# TYPE hybridllm:bus_bytes_total counter" in text and "hybridllm:bus_bytes_total{" in text
+    assert re.search(r"^hybridllm:bus_bytes[{ ]", text, re.M) is None  # no gauge left under the old name
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{base}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        seen = 0
+        while seen < 3:
+            seen += next(lines).startswith("data:")
+        during = metrics(base)
+    assert during["hybridllm:kv_cache_holdable_bytes"] > 0
+    assert 0 < during["hybridllm:kv_cache_usage_perc"] <= 1  # not 0 although no budget was set
+    assert during["hybridllm:kv_cache_usage_perc"] == pytest.approx(
+        during["hybridllm:kv_cache_reserved_bytes"] / during["hybridllm:kv_cache_holdable_bytes"])
+    before = metrics(base)
+    chat(openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=300), model, "hi", max_tokens=4)
+    after = metrics(base)
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_queue_time_seconds",
+                 "request_inference_time_seconds"):
+        assert after[f"hybridllm:{name}_count"] == before[f"hybridllm:{name}_count"] + 1, name
+        assert after[f"hybridllm:{name}_sum"] >= before[f"hybridllm:{name}_sum"]
+
+
+PROMQL_FUNCTIONS_AND_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers not followed by ``(``, outside
+    label matchers, ranges and strings."""
+    bare = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings (label values, legend parts)
+    bare = re.sub(r"\{[^}]*\}", "", bare)  # label matchers
+    bare = re.sub(r"\[[^\]]*\]", "", bare)  # range selectors
+    bare = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", bare)  # label lists
+    names = set()
+    for match in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", bare):
+        name, rest = match.group(), bare[match.end():].lstrip()
+        if rest.startswith("(") or name in PROMQL_FUNCTIONS_AND_KEYWORDS:
+            continue  # a function call or a keyword
+        names.add(name)
+    return names
+
+
+def test_every_grafana_dashboard_query_resolves_against_a_live_metrics_scrape(live):
+    from pathlib import Path
+
+    base, client, model = live
+    chat(client, model, "hi", max_tokens=4)  # every histogram has a sample
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 16
+    scrape = [line for line in httpx.get(f"{base}/metrics").text.splitlines() if line and not line.startswith("#")]
+    exposed = {line.split("{")[0].split(" ")[0] for line in scrape}
+    for variable in dashboard["templating"]["list"]:  # Grafana's label_values(metric, label), not PromQL
+        if "definition" in variable:
+            metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", variable["definition"]).groups()
+            assert any(line.startswith(metric + "{") and f'{label}="' in line for line in scrape), variable
+    used = set()
+    for expr in exprs:
+        names = promql_metric_names(expr.replace("$__rate_interval", "1m"))
+        assert names, expr
+        for name in names:
+            assert name.startswith("hybridllm:"), (name, expr)
+            assert name in exposed, (name, expr)
+        used |= names
+    for name in ("hybridllm:request_prefill_time_seconds_bucket", "hybridllm:request_decode_time_seconds_sum",
+                 "hybridllm:bus_bytes_total", "hybridllm:kv_cache_usage_perc"):
+        assert name in used, name
+
+
+def test_promql_metric_names_reads_only_metrics():
+    expr = ('histogram_quantile(0.99, sum by(le) (rate(hybridllm:x_bucket{model_name="$m", a=~"b|c"}[5m]))) '
+            '/ on(model_name) hybridllm:y')
+    assert promql_metric_names(expr) == {"hybridllm:x_bucket", "hybridllm:y"}
+
+
+def test_sigterm_finishes_four_inflight_streams_refuses_new_requests_and_exits_zero():
+    with serve_process("--weights", "float", "--max-batch", "4", "--shutdown-grace", "120") as (base, proc):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        max_tokens = 64
+        started = threading.Barrier(5)
+
+        def stream(prompt: str) -> tuple[str, list]:
+            chunks = []
+            for i, c in enumerate(client.completions.create(
+                    model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True}, stream_options={"include_usage": True})):
+                chunks.append(c)
+                if i == 1:
+                    started.wait()
+            return prompt, chunks
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream, p) for p in ("The quick brown fox", "Paris is", "hello world", "One two")]
+            started.wait()  # all four streams are under way
+            assert metrics(base)["hybridllm:num_requests_running"] == 4
+            proc.send_signal(subprocess.signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            refused = None
+            while refused is None and time.monotonic() < deadline:
+                try:
+                    r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
+                                   timeout=30)
+                except httpx.TransportError:
+                    break  # already closed: every stream finished
+                if r.status_code == 503:
+                    refused = r
+            results = [f.result() for f in futures]
+        assert proc.wait(120) == 0, proc.stderr.read()
+    assert refused is not None and refused.json()["error"]["code"] == "shutting_down"
+    for _prompt, chunks in results:
+        finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finals == ["length"]
+        assert chunks[-1].usage.completion_tokens == max_tokens

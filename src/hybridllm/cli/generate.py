@@ -41,7 +41,7 @@ def generate(
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():
             raise ConfigError("give a prompt as an argument or on standard input")
-        prompt = sys.stdin.read()
+        prompt = read_stdin_text()
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop or []), ignore_eos=ignore_eos,
@@ -69,6 +69,23 @@ def generate(
         from hybridllm.report import print_metrics
 
         print_metrics(result.metrics, llm.cold_start)
+
+
+def read_stdin_text() -> str:
+    """Standard input as UTF-8 text; other bytes are the user's error (ConfigError, one line).
+
+    The bytes are decoded here, strictly: the stream's own decoding may be lenient (a C locale
+    gives surrogate escapes, which the tokenizer then refuses with a traceback).
+    """
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:  # an in-memory text stream (tests): already text
+        return sys.stdin.read()
+    raw = buffer.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"standard input is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+                          f"convert it first, e.g. with iconv -t UTF-8") from None
 
 
 @with_option_groups

@@ -33,8 +33,8 @@ def plan(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="--apply: new tokens (greedy).")] = 64,
 ) -> None:
     """Choose where weights and KV live for a model on this machine (or given budgets), and predict TTFT and TPS."""
-    from hybridllm.errors import ConfigError
     from hybridllm import planner
+    from hybridllm.errors import ConfigError
 
     cfg, name, has_weights = planner.load_model_config(model)
     vram_bytes, ram_bytes = parse_bytes(vram), parse_bytes(ram)

@@ -9,7 +9,14 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from hybridllm.cli.options import KVOptions, ModelOptions, PlacementOptions, SpeedOptions, llm_kwargs, with_option_groups
+from hybridllm.cli.options import (
+    KVOptions,
+    ModelOptions,
+    PlacementOptions,
+    SpeedOptions,
+    llm_kwargs,
+    with_option_groups,
+)
 from hybridllm.errors import ConfigError
 
 
@@ -24,6 +31,8 @@ def serve(
     host_budget: Annotated[Optional[str], typer.Option("--host-budget", help="Host RAM the KV cache may use, e.g. 4GiB (default: the RAM available at start).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API (default: the checkpoint's name).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
+    max_request_bytes: Annotated[str, typer.Option("--max-request-bytes", help="Largest request body accepted, e.g. 8MiB (bigger: 413).")] = "8MiB",
+    shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", help="On SIGTERM: seconds to finish in-flight requests before exiting (new ones get 503).")] = 30.0,
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
@@ -37,18 +46,27 @@ def serve(
         raise ConfigError(f"--max-batch must be >= 1, got {max_batch}")
     if max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
+    if shutdown_grace < 0:
+        raise ConfigError(f"--shutdown-grace must be >= 0, got {shutdown_grace}")
     host_bytes = parse_bytes(host_budget)
+    request_bytes = parse_bytes(max_request_bytes)
+    if request_bytes is None or request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes must be a positive size, got {max_request_bytes!r}")
     run_server(llm_kwargs(model, placement, kv, speed), host=host, port=port, api_key=api_key, max_batch=max_batch,
-               max_queue=max_queue, host_budget=host_bytes, served_model_name=served_model_name, log_level=log_level)
+               max_queue=max_queue, host_budget=host_bytes, served_model_name=served_model_name, log_level=log_level,
+               max_request_bytes=request_bytes, shutdown_grace=shutdown_grace)
 
 
 def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: str | None, max_batch: int,
-               max_queue: int, host_budget: int | None, served_model_name: str | None, log_level: str) -> None:
-    """Load the model and serve it until interrupted.
+               max_queue: int, host_budget: int | None, served_model_name: str | None, log_level: str,
+               max_request_bytes: int, shutdown_grace: float) -> None:
+    """Load the model and serve it until interrupted; SIGTERM drains first, then exits 0.
 
     Args:
         llm_options: ``LLM`` keyword arguments (:func:`hybridllm.cli.options.llm_kwargs`).
         host_budget: host RAM the KV cache may use, in bytes (None: the RAM available at start).
+        max_request_bytes: the largest request body accepted.
+        shutdown_grace: seconds SIGTERM waits for in-flight requests.
     """
     import psutil
     import uvicorn
@@ -56,13 +74,16 @@ def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: st
     from hybridllm.engine.scheduler import Scheduler
     from hybridllm.llm import LLM
     from hybridllm.server.app import create_app
+    from hybridllm.server.shutdown import GracefulServer
 
     llm = LLM(**llm_options)
     if host_budget is None:  # the KV may use the host RAM that is free now
         host_budget = psutil.virtual_memory().available
     scheduler = Scheduler(llm.runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget)
-    app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key)
+    app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key,
+                     max_request_bytes=max_request_bytes)
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
                f"KV {scheduler.kv_strategy}, {llm.placement.n_gpu_layers}/{llm.config.n_layers} layers on the "
                f"device, decode on the {llm.placement.decode_on})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace)
+    GracefulServer(config, app.state.draining, scheduler, grace_s=shutdown_grace).run()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-
 from typing import Any
 
 from hybridllm.kvcache.base import KVCache

@@ -57,10 +57,10 @@ from hybridllm.engine.admission import (
     kv_bytes_needed,
     tiers_capacity,
 )
-from hybridllm.engine.metrics import HostPeakMemory
 from hybridllm.engine.logprobs import TokenLogprob, sequence_logprobs, token_logprob
-from hybridllm.engine.request_record import sequence_metrics
+from hybridllm.engine.metrics import HostPeakMemory
 from hybridllm.engine.output import RequestOutput, check_prompt
+from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.sampling import Sampler
 from hybridllm.engine.sequence import SeqEvent, SequenceState
 from hybridllm.engine.structured import GrammarCompiler

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from hybridllm.config import EngineConfig, KVConfig
-from hybridllm.timing import ColdStart
 from hybridllm.errors import ConfigError
 from hybridllm.loading.loader import load_model
 from hybridllm.models.quantized import check_weights_mode, weights_format
@@ -41,6 +40,7 @@ from hybridllm.runtime.backends import AUTO, check_backend_name
 from hybridllm.runtime.runner import ModelRunner, build_runner
 from hybridllm.runtime.runtime import Runtime
 from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
+from hybridllm.timing import ColdStart
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm.config import EngineConfig, KVConfig, ModelConfig
-from hybridllm.timing import ColdStart
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
@@ -20,6 +19,7 @@ from hybridllm.kvcache.factory import create_cache
 from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.migration import PhaseMigration
+from hybridllm.timing import ColdStart
 
 
 @dataclass

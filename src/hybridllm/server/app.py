@@ -8,9 +8,15 @@
     app = create_app(llm, Scheduler(llm.runtime, max_batch=16))   # serve with uvicorn.run(app, ...)
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE streaming),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus), and the OpenAPI schema at
-``/openapi.json`` (``/docs`` renders it). Errors are OpenAI error objects. When an API key is
-set, every ``/v1`` route needs ``Authorization: Bearer <key>``.
+``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize``
+(llama.cpp's shapes), ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus), and the
+OpenAPI schema at ``/openapi.json`` (``/docs`` renders it). Errors are OpenAI error objects.
+When an API key is set, every ``/v1`` route and the tokenizer routes need
+``Authorization: Bearer <key>``. Every completion and stream chunk carries the
+``system_fingerprint`` of the build (:mod:`hybridllm.server.fingerprint`). Request bodies over
+``max_request_bytes`` get 413; OpenAI fields the server does not implement get 400
+(:mod:`hybridllm.server.unsupported`); while the server drains for shutdown, new requests get
+503 (:mod:`hybridllm.server.shutdown`).
 
 The HTTP side runs on the asyncio loop; the model runs only on the scheduler's loop thread,
 which hands events back with ``loop.call_soon_threadsafe``.
@@ -42,6 +48,8 @@ from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
 from hybridllm.engine.structured import GrammarError
 from hybridllm.errors import HybridLLMError
+from hybridllm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from hybridllm.server.fingerprint import system_fingerprint
 from hybridllm.server.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
 from hybridllm.server.metrics import CONTENT_TYPE, ServerMetrics
 from hybridllm.server.protocol import (
@@ -50,15 +58,22 @@ from hybridllm.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     NamedToolChoice,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionInfo,
     error_body,
     structured_output,
 )
+from hybridllm.server.shutdown import Draining, RefuseWhileDraining
 from hybridllm.server.tools import forced_call_schema, parse_tool_calls, render_with_tools
+from hybridllm.server.unsupported import refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +84,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
-    503: {"model": ErrorResponse, "description": "Queue full (see Retry-After)"},
+    413: {"model": ErrorResponse, "description": "Request body over the size limit"},
+    503: {"model": ErrorResponse, "description": "Queue full (see Retry-After), or shutting down"},
 }
 
 
@@ -89,6 +105,7 @@ def create_app(
     model_name: str | None = None,
     api_key: str | None = None,
     manage_scheduler: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """Build the app around ``llm`` (an ``LLM``: tokenizer, chat template) and its request loop.
 
@@ -99,6 +116,10 @@ def create_app(
         model_name: the served model id (default: from the checkpoint's path).
         api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
         manage_scheduler: start the scheduler's loop with the app and stop it at shutdown.
+        max_request_bytes: the largest request body accepted (bigger: 413).
+
+    The app's state holds ``scheduler``, ``metrics``, ``model_name`` and ``draining`` (the
+    switch a :class:`~hybridllm.server.shutdown.GracefulServer` turns on at SIGTERM).
     """
     scheduler = scheduler if scheduler is not None else llm.engine.scheduler
     served = model_name or default_model_name(llm)
@@ -111,6 +132,8 @@ def create_app(
     metrics = ServerMetrics(scheduler, served)
     scheduler.observer = metrics
     created = int(time.time())
+    fingerprint = system_fingerprint(scheduler.runtime)
+    draining = Draining()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -131,6 +154,9 @@ def create_app(
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.model_name = served
+    app.state.draining = draining
+    app.add_middleware(RefuseWhileDraining, draining=draining)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
     # ---- errors --------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -423,6 +449,7 @@ def create_app(
               responses=ERROR_RESPONSES, summary="Chat completion (JSON, or SSE when stream=true)")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        refuse_unsupported(body.model_extra)
         if not body.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
         want_logprobs = bool(body.logprobs)
@@ -460,7 +487,7 @@ def create_app(
                       usage: dict[str, int] | None = None, role: bool = False, index: int = 0,
                       logprobs: dict[str, Any] | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": now,
-                                       "model": served}
+                                       "model": served, "system_fingerprint": fingerprint}
                 if usage is not None:
                     out["choices"] = []
                     out["usage"] = usage
@@ -505,6 +532,7 @@ def create_app(
                             "logprobs": logprobs_of(event.all_logprobs)})
         return {
             "id": request_id, "object": "chat.completion", "created": now, "model": served,
+            "system_fingerprint": fingerprint,
             "choices": choices,
             "usage": usage(events),
         }
@@ -513,6 +541,7 @@ def create_app(
               responses=ERROR_RESPONSES, summary="Text completion (JSON, or SSE when stream=true)")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        refuse_unsupported(body.model_extra)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of not in (None, 1):
@@ -569,7 +598,7 @@ def create_app(
                       usage: dict[str, int] | None = None, index: int = 0,
                       logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
                 out: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": now,
-                                       "model": served}
+                                       "model": served, "system_fingerprint": fingerprint}
                 if usage is not None:
                     out["choices"] = []
                     out["usage"] = usage
@@ -605,6 +634,7 @@ def create_app(
         raise_event_error(events)
         return {
             "id": request_id, "object": "text_completion", "created": now, "model": served,
+            "system_fingerprint": fingerprint,
             "choices": [{"index": event.index, "text": prompt_text + (event.full_text if generate else ""),
                          "finish_reason": event.finish_reason if generate else "length",
                          "logprobs": choice_logprobs(event)} for event in events],
@@ -614,14 +644,49 @@ def create_app(
     @app.get("/v1/models", dependencies=auth, response_model=ModelList, responses=ERROR_RESPONSES,
              summary="The served model")
     async def models() -> Any:
-        return {"object": "list", "data": [ModelCard(id=served, created=created,
-                                                     max_model_len=scheduler.context_length).model_dump()]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/health", response_model=Health, summary="200 while the scheduler runs, 503 otherwise")
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, response_model=ModelCard,
+             responses={**ERROR_RESPONSES, 404: {"model": ErrorResponse, "description": "Unknown model id"}},
+             summary="One model (404 for an id this server does not serve)")
+    async def model(model_id: str) -> Any:
+        if model_id not in aliases:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    def model_card() -> dict[str, Any]:
+        return ModelCard(id=served, created=created, max_model_len=scheduler.context_length).model_dump()
+
+    @app.post("/tokenize", dependencies=auth, response_model=TokenizeResponse, responses=ERROR_RESPONSES,
+              summary="Text to token ids (llama.cpp's shape; with_pieces: each id with its text)")
+    async def tokenize(body: TokenizeRequest) -> Any:
+        ids = await run_in_threadpool(llm.tokenizer.encode, body.content, body.add_special)
+        if not body.with_pieces:
+            return {"tokens": ids}
+        # a piece is the token decoded alone: a token holding part of a character shows U+FFFD
+        return {"tokens": [{"id": i, "piece": llm.tokenizer.decode([i])} for i in ids]}
+
+    @app.post("/detokenize", dependencies=auth, response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
+              summary="Token ids to text (llama.cpp's shape)")
+    async def detokenize(body: DetokenizeRequest) -> Any:
+        bad = [i for i in body.tokens if not 0 <= i < scheduler.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{scheduler.vocab_size - 1})",
+                           param="tokens", code="invalid_value")
+        return {"content": await run_in_threadpool(llm.tokenizer.decode, body.tokens)}
+
+    @app.get("/version", response_model=VersionInfo, summary="The server's version and build fingerprint")
+    async def version() -> Any:
+        return {"version": __version__, "system_fingerprint": fingerprint, "model": served,
+                "weights_format": str(scheduler.runtime.weights_format)}
+
+    @app.get("/health", response_model=Health,
+             summary="200 while the scheduler runs, 503 when stopped or draining for shutdown")
     async def health() -> Any:
-        body = {"status": "ok" if scheduler.is_running else "stopped", "running": scheduler.num_running,
-                "waiting": scheduler.num_waiting}
-        return JSONResponse(body, status_code=200 if scheduler.is_running else 503)
+        status = "draining" if draining.active else "ok" if scheduler.is_running else "stopped"
+        body = {"status": status, "running": scheduler.num_running, "waiting": scheduler.num_waiting}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def prometheus_metrics() -> Response:

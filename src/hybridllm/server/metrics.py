@@ -3,8 +3,15 @@
 Every app gets its own :class:`~prometheus_client.CollectorRegistry` (no global registry), so
 two servers in one process do not clash. Latency histograms and token/request counters are
 updated from the scheduler's hooks (on its loop thread; prometheus_client is thread-safe);
-gauges (running/waiting requests, KV bytes and pages per tier, bus bytes, placement) are read
-from the scheduler when /metrics is scraped.
+gauges (running/waiting requests, KV bytes and pages per tier, placement) and the bus-bytes
+counter are read from the scheduler when /metrics is scraped. Monotonic totals are counters
+(their names end in ``_total``), so ``rate()`` works on them.
+
+``kv_cache_usage_perc`` is the reserved KV over what the engine can hold: the admission
+capacity when every tier it counts has a budget, else (a tier unbounded) the budgets that are
+set plus the memory that was free at start in the unbounded tiers (:func:`holdable_kv_bytes`).
+
+docs/grafana-dashboard.json plots these names; tests check that every query in it resolves.
 """
 
 from __future__ import annotations
@@ -12,12 +19,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import psutil
+import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hybridllm.engine.adaptive import ADAPTIVE_ACTION_KINDS, AdaptiveAction
 from hybridllm.engine.scheduler import SchedulerObserver, SequenceState
+from hybridllm.kvcache.base import TIERS
+from hybridllm.kvcache.registry import admission_tiers
 
 if TYPE_CHECKING:
     from hybridllm.engine.scheduler import Scheduler
@@ -34,6 +45,27 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def holdable_kv_bytes(scheduler: Scheduler) -> int:
+    """KV bytes the engine can hold: its admission capacity, or when a tier it counts is
+    unbounded, that tier's free memory now (the device's free memory on a GPU, the host RAM
+    available otherwise; a CPU "device" and the host share that RAM, counted once)."""
+    if scheduler.capacity is not None:
+        return scheduler.capacity
+    tiers = TIERS if scheduler.adaptive is not None else admission_tiers(scheduler.kv_strategy)
+    total = 0
+    host_ram_counted = False
+    for tier in tiers:
+        budget = scheduler.ledger.budget(tier)
+        if budget is not None:
+            total += budget
+        elif tier == "device" and scheduler.device.type == "cuda":
+            total += torch.cuda.mem_get_info(scheduler.device)[0]
+        elif not host_ram_counted:
+            total += psutil.virtual_memory().available
+            host_ram_counted = True
+    return total
 
 
 class ServerMetrics(SchedulerObserver):
@@ -58,6 +90,15 @@ class ServerMetrics(SchedulerObserver):
                              labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self.queue_time = Histogram(f"{PREFIX}request_queue_time_seconds", "Time a request waited in the queue.",
                                     labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.prefill_time = Histogram(
+            f"{PREFIX}request_prefill_time_seconds", "Time from scheduling to the first token (the prefill).",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.decode_time = Histogram(
+            f"{PREFIX}request_decode_time_seconds", "Time from the first token to the last (the decode).",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.inference_time = Histogram(
+            f"{PREFIX}request_inference_time_seconds", "Time from scheduling to the last token.",
+            labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
         self.request_prompt_tokens = Histogram(
             f"{PREFIX}request_prompt_tokens", "Prompt tokens per finished request.", labels,
             buckets=TOKEN_COUNT_BUCKETS, registry=reg).labels(model_name)
@@ -87,7 +128,7 @@ class ServerMetrics(SchedulerObserver):
             ["model_name", "action"], registry=reg)
         for action in ADAPTIVE_ACTION_KINDS:
             self.adaptive_actions.labels(model_name, action)
-        reg.register(_EngineCollector(scheduler, model_name))
+        reg.register(_EngineCollector(scheduler, model_name, holdable_kv_bytes(scheduler)))
 
     # ---- scheduler hooks (loop thread) -----------------------------------------------------
     def on_scheduled(self, seq: SequenceState) -> None:
@@ -110,6 +151,9 @@ class ServerMetrics(SchedulerObserver):
         self.request_success.labels(self.model_name, seq.finish_reason or "error").inc()
         if seq.finish_reason in ("stop", "length"):
             self.e2e.observe(seq.finish_time - seq.arrival_time)
+            self.prefill_time.observe(seq.first_token_time - seq.scheduled_time)
+            self.decode_time.observe(seq.last_token_time - seq.first_token_time)
+            self.inference_time.observe(seq.last_token_time - seq.scheduled_time)
             self.request_prompt_tokens.observe(len(seq.prompt_ids))
             self.request_generation_tokens.observe(len(seq.generated))
 
@@ -127,11 +171,18 @@ class ServerMetrics(SchedulerObserver):
 
 
 class _EngineCollector(Collector):
-    """Gauges read from the scheduler at scrape time."""
+    """Gauges (and the bus-bytes counter) read from the scheduler at scrape time.
 
-    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
+    Args:
+        scheduler: the request loop.
+        model_name: the ``model_name`` label.
+        kv_holdable_bytes: the denominator of ``kv_cache_usage_perc``.
+    """
+
+    def __init__(self, scheduler: Scheduler, model_name: str, kv_holdable_bytes: int) -> None:
         self.scheduler = scheduler
         self.model_name = model_name
+        self.kv_holdable_bytes = kv_holdable_bytes
 
     def describe(self) -> list[Metric]:
         return []  # names are stable but values are read lazily; nothing to pre-describe
@@ -166,14 +217,18 @@ class _EngineCollector(Collector):
         g = gauge("kv_cache_reserved_bytes", "KV bytes promised to running requests (prompt + max_tokens).")
         g.add_metric([name], stats["kv_reserved_bytes"])
         yield g
-        capacity = stats["kv_capacity_bytes"]
-        g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of the admission capacity (0 when unlimited).")
-        g.add_metric([name], stats["kv_reserved_bytes"] / capacity if capacity else 0.0)
+        g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of what the engine can hold (the admission "
+                  "capacity, or the free memory at start of an unbounded tier).")
+        g.add_metric([name], stats["kv_reserved_bytes"] / self.kv_holdable_bytes if self.kv_holdable_bytes else 0.0)
         yield g
-        g = gauge("bus_bytes", "Bytes moved between host and device since start, per direction.", ["direction"])
+        g = gauge("kv_cache_holdable_bytes", "The denominator of kv_cache_usage_perc.")
+        g.add_metric([name], self.kv_holdable_bytes)
+        yield g
+        c = CounterMetricFamily(PREFIX + "bus_bytes", "Bytes moved between host and device since start, per "
+                                "direction.", labels=["model_name", "direction"])
         for direction, n in stats["bus_bytes"].items():
-            g.add_metric([name, direction], n)
-        yield g
+            c.add_metric([name, direction], n)
+        yield c
         runtime = s.runtime
         g = gauge("weight_bytes", "Model weight bytes per tier (the placement).", ["tier"])
         for tier, n in runtime.weight_bytes.items():

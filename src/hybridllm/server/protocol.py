@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API, and its error objects.
 
-Requests are validated strictly (a string where a number belongs is an error, not coerced);
-unknown fields are ignored, as OpenAI clients send fields this server has no use for. Beyond
-OpenAI's fields, a few of vLLM's sampling extras are accepted (``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``; pass them with the client's ``extra_body``), and
-llama.cpp's ``repeat_penalty`` (an alias of ``repetition_penalty``).
+Requests are validated strictly (a string where a number belongs is an error, not coerced).
+Fields the models do not declare land in ``model_extra``: OpenAI fields this server does not
+implement are refused there with a 400 naming them (the table in
+:mod:`hybridllm.server.unsupported`); any other key, not OpenAI's at all, is ignored (clients
+and SDKs send their own extras). Beyond OpenAI's fields, a few of vLLM's sampling extras are
+accepted (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``; pass them with the
+client's ``extra_body``), and llama.cpp's ``repeat_penalty`` (an alias of ``repetition_penalty``).
 ``response_format`` and ``tools``/``tool_choice`` are OpenAI's; see :mod:`hybridllm.server.tools`.
 """
 
@@ -18,6 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from hybridllm.config import StructuredOutput
 
 _REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
+# a request's top level keeps undeclared keys, so unsupported OpenAI fields can be refused by name
+_TOP_REQUEST_CONFIG = ConfigDict(strict=True, extra="allow")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -198,7 +203,7 @@ def structured_output(response_format: ResponseFormat | None) -> StructuredOutpu
 class SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = _REQUEST_CONFIG
+    model_config = _TOP_REQUEST_CONFIG
     model: str
     max_tokens: int | None = Field(default=None, ge=1, description="Most tokens to generate.")
     temperature: float | None = Field(default=None, ge=0, le=2, description="0 is greedy; default 1.")
@@ -207,7 +212,7 @@ class SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX, description="A 64-bit signed integer.")
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(default=None, description="Token id -> bias in [-100, 100].")
@@ -296,6 +301,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -312,6 +318,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage
 
@@ -333,3 +340,40 @@ class Health(BaseModel):
     status: str
     running: int
     waiting: int
+
+
+# ---- llama.cpp's tokenizer endpoints, /version -------------------------------------------
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (llama.cpp's shape)."""
+
+    model_config = _REQUEST_CONFIG
+    content: str
+    add_special: bool = Field(default=False, description="Add the model's BOS token (when it uses one).")
+    with_pieces: bool = Field(default=False, description="Return {id, piece} objects instead of ids.")
+
+
+class TokenPiece(BaseModel):
+    id: int
+    piece: str | list[int] = Field(description="The token's text, or its bytes when they are not valid UTF-8 alone.")
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[TokenPiece]
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (llama.cpp's shape)."""
+
+    model_config = _REQUEST_CONFIG
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    content: str
+
+
+class VersionInfo(BaseModel):
+    version: str
+    system_fingerprint: str
+    model: str
+    weights_format: str
