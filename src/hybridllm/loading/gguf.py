@@ -279,7 +279,7 @@ class GGUFFile:
             rope_theta=float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=int(key("context_length", 4096)),
             tie_word_embeddings="output.weight" not in self.tensors,
-            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors or "blk.0.attn_qkv.bias" in self.tensors,
             rope_scaling=scaling,
             rope_freq_factors=freq_factors,
             sliding_window=key("attention.sliding_window") or None,  # phi3 files write 0 for none
