@@ -1,5 +1,6 @@
-"""Parity with Hugging Face transformers on tiny random Llama / Llama-3 / Qwen2 / Mistral models,
-loaded both from safetensors folders and from GGUF files written like llama.cpp's converter."""
+"""Parity with Hugging Face transformers on tiny random Llama / Llama-3 / Qwen2 / Mistral / Qwen3 /
+Phi-3 models, loaded both from safetensors folders and from GGUF files written like llama.cpp's
+converter."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hybridllm.kvcache import DynamicCache, KVSpec
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
 
-from conftest import ARCHS
+from conftest import ALL_ARCHS
 
 FORMATS = ("safetensors", "gguf")
 
@@ -28,7 +29,7 @@ def _cache_for(model) -> DynamicCache:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_logits_match_transformers(tiny_models, arch, fmt):
     _, _, hf_model = tiny_models[arch]
     model = load_model(open_checkpoint(_path(tiny_models, arch, fmt)), torch.float32, lambda n: torch.device("cpu"))
@@ -44,7 +45,7 @@ def test_logits_match_transformers(tiny_models, arch, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_greedy_continuation_matches_transformers(tiny_models, arch, fmt):
     _, _, hf_model = tiny_models[arch]
     llm = LLM(model=_path(tiny_models, arch, fmt), prefill_chunk=5)

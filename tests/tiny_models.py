@@ -41,8 +41,9 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
 
 
 def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
-    """A transformers config of a tiny model of ``arch`` (llama, llama3, qwen2, mistral)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    """A transformers config of a tiny model of ``arch`` (llama, llama3, qwen2, mistral, qwen3, phi3,
+    phi3_partial: Phi-3 with half of each head rotated, as Phi-4-mini's 3/4)."""
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -60,6 +61,12 @@ def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=None)
+    if arch == "qwen3":  # head_dim 32 != hidden / heads (16), tied embeddings, as the small Qwen3s
+        return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32, use_sliding_window=False)
+    if arch in ("phi3", "phi3_partial"):
+        factor = 0.5 if arch == "phi3_partial" else 1.0
+        return Phi3Config(**common, pad_token_id=None, sliding_window=None, partial_rotary_factor=factor,
+                          original_max_position_embeddings=common["max_position_embeddings"])
     raise ValueError(arch)
 
 

@@ -12,10 +12,44 @@ from typing import Any
 
 import torch
 
-from hybridllm.errors import ConfigError
+from hybridllm.errors import ConfigError, UnsupportedModelError
 from hybridllm.units import parse_bytes
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+@dataclass(frozen=True)
+class ArchFamily:
+    """What one architecture family has beyond the plain Llama decoder: one row per family.
+
+    Attributes:
+        label: the family's name in the supported-architectures list.
+        gguf_arch: the ``general.architecture`` llama.cpp's converter writes for it.
+        qk_norm: a per-head RMSNorm of q and k before rotary (Qwen3's ``q_norm``/``k_norm``).
+        stacked_checkpoint: the checkpoint stores ``qkv_proj`` and ``gate_up_proj`` stacked, as
+            the model does (Phi-3); otherwise q/k/v and gate/up are separate and stacked at load.
+        qkv_bias: the default of ``attention_bias`` when config.json omits it (Qwen2).
+        sliding_window_by_default: ``sliding_window`` applies without ``use_sliding_window``.
+    """
+
+    label: str
+    gguf_arch: str
+    qk_norm: bool = False
+    stacked_checkpoint: bool = False
+    qkv_bias: bool = False
+    sliding_window_by_default: bool = False
+
+
+# Our architecture names (the Hugging Face ``model_type``s) -> what each family has.
+ARCHITECTURES: dict[str, ArchFamily] = {
+    "llama": ArchFamily("llama (Llama 2/3, SmolLM)", gguf_arch="llama"),
+    "mistral": ArchFamily("mistral", gguf_arch="llama", sliding_window_by_default=True),
+    "qwen2": ArchFamily("qwen2", gguf_arch="qwen2", qkv_bias=True),
+    "qwen3": ArchFamily("qwen3", gguf_arch="qwen3", qk_norm=True),
+    "phi3": ArchFamily("phi3 (Phi-3 4K, partial rotary)", gguf_arch="phi3", stacked_checkpoint=True,
+                       sliding_window_by_default=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+SUPPORTED_ARCH_TEXT = ", ".join(family.label for family in ARCHITECTURES.values())
+SUPPORTED_ROPE_SCALING = "llama3, linear (not longrope: Phi-3 128K variants)"
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -48,14 +82,15 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.kind not in ("llama3", "linear"):
-            raise ConfigError(f"unsupported rope scaling {self.kind!r}; supported: llama3, linear")
+            raise UnsupportedModelError(f"unsupported rope scaling {self.kind!r}; supported: {SUPPORTED_ROPE_SCALING}")
         if self.factor <= 0:
             raise ConfigError("rope scaling factor must be > 0")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture numbers of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM)."""
+    """Architecture numbers of a Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, SmolLM);
+    what the family adds to the Llama decoder is its :attr:`family` row."""
 
     arch: str
     vocab_size: int
@@ -74,15 +109,15 @@ class ModelConfig:
     # Per-dimension frequency divisors shipped in some GGUF files (llama3 "rope_freqs").
     rope_freq_factors: tuple[float, ...] | None = None
     sliding_window: int | None = None
+    # Share of each head's dimensions that is rotated (Phi-3 / Phi-4-mini); the rest passes through.
+    partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if self.arch not in ARCHITECTURES:
+            raise UnsupportedModelError(f"unsupported architecture {self.arch!r}; supported: {SUPPORTED_ARCH_TEXT}")
         for attr in ("vocab_size", "hidden_size", "intermediate_size", "n_layers", "n_heads",
                      "n_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, attr) <= 0:
@@ -93,6 +128,20 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model config: head_dim must be even, got {self.head_dim}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives "
+                              f"{self.rotary_dim} rotated dimensions of {self.head_dim}; they must be even and > 0")
+
+    @property
+    def family(self) -> ArchFamily:
+        """What the architecture family has beyond the plain Llama decoder."""
+        return ARCHITECTURES[self.arch]
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dimensions of each head (the first ones). Rounded: it reads a GGUF's
+        ``rope.dimension_count`` back exactly (Hugging Face truncates; both agree on real configs)."""
+        return round(self.head_dim * self.partial_rotary_factor)
 
     @property
     def n_groups(self) -> int:
@@ -108,6 +157,8 @@ class ModelConfig:
         attn = self.hidden_size * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         if self.attention_bias:
             attn += self.head_dim * (self.n_heads + 2 * self.n_kv_heads)
+        if self.family.qk_norm:
+            attn += 2 * self.head_dim
         mlp = 3 * self.hidden_size * self.intermediate_size
         norms = 2 * self.hidden_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
@@ -116,12 +167,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dictionary."""
-        model_type = cfg.get("model_type", "llama")
-        arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
-        if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = cfg.get("model_type", "llama")
+        family = ARCHITECTURES.get(arch)
+        if family is None:
+            raise UnsupportedModelError(f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCH_TEXT}")
         n_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -139,7 +188,7 @@ class ModelConfig:
         elif rope_type == "linear":
             scaling = RopeScaling(kind="linear", factor=float(rope_params["factor"]))
         elif rope_type not in ("default", None):
-            raise ConfigError(f"unsupported rope scaling {rope_type!r}; supported: llama3, linear")
+            raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: {SUPPORTED_ROPE_SCALING}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -155,9 +204,11 @@ class ModelConfig:
             rope_theta=rope_theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
             rope_scaling=scaling,
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "mistral") else None,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", family.sliding_window_by_default)
+            else None,
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             name=str(cfg.get("_name_or_path", "")),

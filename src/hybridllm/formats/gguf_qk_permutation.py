@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import torch
 
+# GGUF architectures whose converter permutes Q/K rows: only llama's (Mistral files included).
+# qwen2, qwen3 and phi3 keep Hugging Face's order: llama.cpp runs them with NeoX-style rotary.
+PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
 
 def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """llama.cpp's Q/K permutation: per head, rows (2, D/2) -> (D/2, 2) (rotate-half -> interleaved)."""

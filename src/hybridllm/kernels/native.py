@@ -19,7 +19,8 @@ applies, otherwise the layer runs its PyTorch code:
 batch 1, one token, float32 activations, and a cache whose layer can be written in place
 (:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on the
 host). Prefill chunks, batches, GPU layers and the paged/tiered/quantized strategies keep the
-PyTorch path.
+PyTorch path, and so do layers with pieces the kernels lack (Qwen3's q/k norm, partial rotary):
+they are listed in ``report.skipped``.
 
 Weights the kernels read:
 
@@ -224,6 +225,10 @@ class NativeDecodeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
+        if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
+            raise ValueError("q/k norm (Qwen3) has no native kernel")
+        if attn.rotary_dim != attn.head_dim:
+            raise ValueError(f"partial rotary ({attn.rotary_dim} of {attn.head_dim} dimensions) has no native kernel")
         if isinstance(attn.qkv_proj, ConcatLinear) or isinstance(mlp.gate_up_proj, ConcatLinear):
             raise ValueError("projections are not stacked into one matrix")
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)

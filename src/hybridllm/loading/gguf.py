@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridllm.config import ModelConfig, RopeScaling
+from hybridllm.config import ARCHITECTURES, SUPPORTED_ARCH_TEXT, SUPPORTED_ROPE_SCALING, ModelConfig, RopeScaling
 from hybridllm.errors import ModelLoadError, UnsupportedModelError
-from hybridllm.formats.gguf_qk_permutation import unpermute_rows
+from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, unpermute_rows
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -49,8 +49,7 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
 _TYPE_BY_ID = {type_id: name for name, (type_id, _, _) in GGML_TYPES.items()}
 
 # GGUF architectures -> our ``ModelConfig.arch`` (Mistral files use the ``llama`` architecture).
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
-SUPPORTED_ARCH_TEXT = "llama (Llama 2/3, Mistral, SmolLM), mistral, qwen2"
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -66,13 +65,23 @@ _BLOCK_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Families whose checkpoint is stacked (Phi-3): one q/k/v matrix, and ``ffn_up`` holds gate then up.
+_STACKED_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_qkv.bias": "self_attn.qkv_proj.bias",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 per-dimension rotary divisors: config, not a parameter
+LONGROPE_FACTORS = "rope_factors_long.weight"  # Phi-3 128K variants' longrope (not supported)
 
 # Scalar value types of GGUF key/value pairs: id -> struct format.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -81,13 +90,17 @@ _NUMPY_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint
 _STRING, _ARRAY = 8, 9
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor, or None when it is not a parameter we know."""
+def hf_tensor_name(gguf_name: str, stacked_checkpoint: bool = False) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None when it is not a parameter we know.
+
+    ``stacked_checkpoint``: the family stores q/k/v and gate/up stacked (``ArchFamily.stacked_checkpoint``).
+    """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    block_names = _STACKED_BLOCK_NAMES if stacked_checkpoint else _BLOCK_NAMES
     match = _BLOCK_RE.match(gguf_name)
-    if match and match.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+    if match and match.group(2) in block_names:
+        return f"model.layers.{match.group(1)}.{block_names[match.group(2)]}"
     return None
 
 
@@ -220,7 +233,12 @@ class GGUFFile:
             raise UnsupportedModelError(
                 f"{self.path}: architecture {gguf_arch!r} is not supported; supported: {SUPPORTED_ARCH_TEXT}"
             )
-        unknown = [n for n in self.tensors if n != ROPE_FREQS and hf_tensor_name(n) is None]
+        if LONGROPE_FACTORS in self.tensors:
+            raise UnsupportedModelError(
+                f"{self.path}: rope scaling 'longrope' is not supported; supported: {SUPPORTED_ROPE_SCALING}"
+            )
+        stacked = ARCHITECTURES[GGUF_ARCHITECTURES[gguf_arch]].stacked_checkpoint
+        unknown = [n for n in self.tensors if n != ROPE_FREQS and hf_tensor_name(n, stacked) is None]
         if unknown:
             raise UnsupportedModelError(
                 f"{self.path}: unexpected tensors for a {gguf_arch} model (e.g. {unknown[0]}); "
@@ -245,6 +263,8 @@ class GGUFFile:
         freq_factors = None
         if ROPE_FREQS in self.tensors:
             freq_factors = tuple(float(x) for x in self.dequantize(ROPE_FREQS).flatten().tolist())
+        head_dim = int(key("attention.key_length", hidden // n_heads))
+        rotary_dim = int(key("rope.dimension_count", head_dim))
         eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
         return ModelConfig(
             arch=GGUF_ARCHITECTURES[gguf_arch],
@@ -254,15 +274,16 @@ class GGUFFile:
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(n_kv),
-            head_dim=int(key("attention.key_length", hidden // n_heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=int(key("context_length", 4096)),
             tie_word_embeddings="output.weight" not in self.tensors,
-            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors or "blk.0.attn_qkv.bias" in self.tensors,
             rope_scaling=scaling,
             rope_freq_factors=freq_factors,
-            sliding_window=key("attention.sliding_window"),
+            sliding_window=key("attention.sliding_window") or None,  # phi3 files write 0 for none
+            partial_rotary_factor=rotary_dim / head_dim,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
             name=str(md.get("general.name", self.path.stem)),
@@ -302,7 +323,7 @@ class GGUFFile:
         return self._unpermute_if_needed(name, tensor)
 
     def _unpermute_if_needed(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if self.metadata.get("general.architecture") != "llama":
+        if self.metadata.get("general.architecture") not in PERMUTED_ARCHITECTURES:
             return tensor
         if name.endswith(("attn_q.weight", "attn_q.bias")):
             return unpermute_rows(tensor, self.config.n_heads)
@@ -312,7 +333,8 @@ class GGUFFile:
 
     def hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> Hugging Face parameter name, for every model parameter in the file."""
-        return {n: hf for n in self.tensors if (hf := hf_tensor_name(n)) is not None}
+        stacked = self.config.family.stacked_checkpoint
+        return {n: hf for n in self.tensors if (hf := hf_tensor_name(n, stacked)) is not None}
 
 
 def _ggml_type_label(type_id: int) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
-from hybridllm.formats.gguf_qk_permutation import permute_rows
+from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, permute_rows
 from hybridllm.models.layers import rope_inverse_frequencies
 
 # Hugging Face parameter suffix -> GGUF tensor suffix (inverse of gguf.py's tables)
@@ -29,9 +29,14 @@ _HF_TO_GGUF_BLOCK = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # stacked checkpoints (Phi-3)
+    "self_attn.qkv_proj.bias": "attn_qkv.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate then up, as llama.cpp's converter writes it
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 _HF_TO_GGUF_GLOBAL = {
@@ -85,7 +90,7 @@ def write_gguf(
 
     if weight_type not in QUANT_TYPES:
         raise ConfigError(f"unsupported output type {weight_type!r}; choose one of {', '.join(QUANT_TYPES)}")
-    arch = "qwen2" if config.arch == "qwen2" else "llama"
+    arch = config.family.gguf_arch
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(config.name or "hybridllm model")
     writer.add_file_type(GGUF_FILE_TYPES[weight_type])
@@ -97,8 +102,11 @@ def write_gguf(
     writer.add_head_count_kv(config.n_kv_heads)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(config.rotary_dim)
     writer.add_vocab_size(config.vocab_size)
+    if arch == "phi3":  # llama.cpp's phi3 reader requires these (a sliding window of 0: none)
+        writer.add_rope_scaling_orig_ctx_len(config.max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
     if config.head_dim != config.hidden_size // config.n_heads:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
@@ -114,9 +122,10 @@ def write_gguf(
             continue
         name = gguf_tensor_name(hf_name)
         data = tensor.detach().float().cpu()
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+        permuted = arch in PERMUTED_ARCHITECTURES
+        if permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
             data = permute_rows(data, config.n_heads)
-        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif permuted and name.endswith(("attn_k.weight", "attn_k.bias")):
             data = permute_rows(data, config.n_kv_heads)
         qtype = (type_for or (lambda n, t: default_tensor_type(n, t, weight_type)))(hf_name, data)
         array = data.numpy()

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from hybridllm.formats.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
-from hybridllm.formats.gguf_qk_permutation import unpermute_rows
+from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, unpermute_rows
 from hybridllm.loading.skeleton import HEAD, assemble, load_tensors, prepare_skeleton, progress
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.models.quantized import (
@@ -188,7 +188,7 @@ def _raw_rows(checkpoint, file_name: str, raw) -> torch.Tensor | None:
     info = checkpoint.tensors[file_name]
     data = raw if isinstance(raw, np.ndarray) else np.asarray(raw)
     rows = torch.from_numpy(data).reshape(info.shape[0], -1)  # (N, bytes per row)
-    if checkpoint.metadata.get("general.architecture") == "llama":
+    if checkpoint.metadata.get("general.architecture") in PERMUTED_ARCHITECTURES:
         if file_name.endswith("attn_q.weight"):
             rows = unpermute_rows(rows, checkpoint.config.n_heads).contiguous()
         elif file_name.endswith("attn_k.weight"):

@@ -41,7 +41,10 @@ class ConcatLinear(nn.Module):
 
 def stack_projections(parts: list[nn.Module], fuse: bool = True) -> nn.Module:
     """One module computing ``cat([p(x) for p in parts], -1)``: a single stacked matrix when
-    ``fuse`` and the parts can be stacked, else a :class:`ConcatLinear` of the parts."""
+    ``fuse`` and the parts can be stacked, else a :class:`ConcatLinear` of the parts. One part
+    (a checkpoint that stores the projection stacked, Phi-3) is already the module."""
+    if len(parts) == 1:
+        return parts[0]
     stacked = concat_linears(parts) if fuse else None
     return stacked if stacked is not None else ConcatLinear(parts)
 

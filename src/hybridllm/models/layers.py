@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) of the rotary embedding, with any scaling applied."""
-    dim = config.head_dim
+    """Inverse frequencies (rotary_dim/2,) of the rotary embedding, with any scaling applied."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
@@ -67,14 +67,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables for ``positions`` (B, T), each (B, 1, T, head_dim) in ``dtype``."""
+        """cos and sin tables for ``positions`` (B, T), each (B, 1, T, rotary_dim) in ``dtype``."""
         freqs = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, T, D): broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, T, D) by the tables ``cos``/``sin`` (B or 1, 1, T, D)."""
+    """Rotate ``x`` (B, H, T, D) by the tables ``cos``/``sin`` (B or 1, 1, T, R).
+
+    R < D is partial rotary (Phi-3's ``partial_rotary_factor``): the first R dimensions of each
+    head are rotated, the rest pass through.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)  # (B, H, T, R)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)  # (B, H, T, D)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

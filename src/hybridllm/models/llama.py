@@ -1,10 +1,12 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain PyTorch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, SmolLM) in plain PyTorch.
 
 Parameter names equal Hugging Face's (``model.layers.0.self_attn.o_proj.weight`` ...), except
 that the projections reading the same input are stacked: ``self_attn.qkv_proj`` (q, k, v) and
 ``mlp.gate_up_proj`` (gate, up). :meth:`LlamaForCausalLM.stacked_projections` names the
 checkpoint projections each one is built from; the loaders stack them
-(:func:`hybridllm.models.fuse.stack_projections`).
+(:func:`hybridllm.models.fuse.stack_projections`); Phi-3 checkpoints store them stacked already.
+What a family adds (Qwen3's q/k norm, Phi-3's partial rotary) is a submodule or a table size
+chosen at construction from ``config.family``; the forward is the same code for every family.
 
 The model does not know where KV lives: every attention layer hands its new keys and values to
 ``cache.attend`` and gets the output back. Nor does it know where its pieces live or how a
@@ -40,7 +42,11 @@ class StackedProjection:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention whose score/softmax/value step is owned by the KV cache."""
+    """Grouped-query self-attention whose score/softmax/value step is owned by the KV cache.
+
+    ``q_norm`` / ``k_norm``: a per-head RMSNorm of q and k before rotary where the family has one
+    (Qwen3), else ``nn.Identity``.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -48,9 +54,13 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim  # the first rotary_dim dimensions of each head are rotated
         qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
+        qk_norm = config.family.qk_norm
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
 
     @property
     def qkv_rows(self) -> tuple[int, int, int]:
@@ -65,11 +75,13 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q (B, H, T, D) and k (B, Hkv, T, D), and v (B, Hkv, T, D) of x (B, T, hidden);
-        q and k are rotated together (one set of ops)."""
+        q and k are normed (where the family norms them) and rotated together (one set of ops)."""
         batch, seq, _ = x.shape
         n_qk = self.n_heads + self.n_kv_heads
         qkv = self.qkv_proj(x).view(batch, seq, n_qk + self.n_kv_heads, self.head_dim)  # (B, T, H+2Hkv, D)
-        qk = apply_rotary(qkv[:, :, :n_qk].transpose(1, 2), cos, sin)  # (B, H+Hkv, T, D)
+        q = self.q_norm(qkv[:, :, :self.n_heads])  # (B, T, H, D)
+        k = self.k_norm(qkv[:, :, self.n_heads:n_qk])  # (B, T, Hkv, D)
+        qk = apply_rotary(torch.cat((q, k), dim=2).transpose(1, 2), cos, sin)  # (B, H+Hkv, T, D)
         v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v
 
@@ -140,13 +152,21 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- the checkpoint's layout -----------------------------------------------------------
     def stacked_projections(self) -> list[StackedProjection]:
-        """Every stacked projection with the checkpoint (Hugging Face) projections it holds."""
+        """Every stacked projection with the checkpoint (Hugging Face) projections it holds: the
+        separate q/k/v and gate/up, or the stacked matrix itself where the checkpoint stores it so
+        (``config.family.stacked_checkpoint``, Phi-3)."""
         out = []
         intermediate = self.config.intermediate_size
+        stacked_checkpoint = self.config.family.stacked_checkpoint
         for i, layer in enumerate(self.model.layers):
             attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            qkv_rows = layer.self_attn.qkv_rows
+            if stacked_checkpoint:
+                out.append(StackedProjection(f"{attn}.qkv_proj", (f"{attn}.qkv_proj",), (sum(qkv_rows),)))
+                out.append(StackedProjection(f"{mlp}.gate_up_proj", (f"{mlp}.gate_up_proj",), (2 * intermediate,)))
+                continue
             out.append(StackedProjection(f"{attn}.qkv_proj", (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"),
-                                         layer.self_attn.qkv_rows))
+                                         qkv_rows))
             out.append(StackedProjection(f"{mlp}.gate_up_proj", (f"{mlp}.gate_proj", f"{mlp}.up_proj"),
                                          (intermediate, intermediate)))
         return out
@@ -172,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
 
     def rotary_tables(self, start_pos: int | torch.Tensor, seq: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B or 1, 1, T, head_dim) of positions ``start_pos..start_pos+seq-1`` on ``device``."""
+        """cos and sin (B or 1, 1, T, rotary_dim) of positions ``start_pos..start_pos+seq-1`` on ``device``."""
         starts = torch.as_tensor(start_pos).reshape(-1, 1)  # (B or 1, 1)
         positions = starts + torch.arange(seq)  # (B or 1, T)
         cos, sin = self.rotary.cos_sin(positions, dtype)

@@ -1,0 +1,124 @@
+"""What the Qwen3 and Phi-3 families add to the Llama decoder: their pieces in the model, their
+GGUF layout (as llama.cpp's converter writes it), the native backend's refusals, and the
+one-line errors for what is not supported. Parity with transformers is in test_parity.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from hybridllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from hybridllm.errors import UnsupportedModelError
+from hybridllm.kvcache import DynamicCache, KVSpec
+from hybridllm.loading.gguf import GGUFFile
+from hybridllm.loading.loader import load_model
+from hybridllm.loading.registry import open_checkpoint
+from hybridllm.models.layers import RMSNorm
+from hybridllm.models.quantized import Int8Linear
+from hybridllm.placement.apply import TierDevices
+from hybridllm.placement.placement import Placement
+from hybridllm.runtime.runner import build_runner
+
+CPU = torch.device("cpu")
+
+
+def _load(path, weights: str = "float"):
+    return load_model(open_checkpoint(path), torch.float32, lambda n: CPU, weights=weights)
+
+
+def test_qwen3_has_qk_norm_and_its_own_head_dim(tiny_models):
+    folder, gguf_path, _ = tiny_models["qwen3"]
+    for path in (folder, gguf_path):
+        model = _load(path)
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm)
+        assert model.config.head_dim == 32 != model.config.hidden_size // model.config.n_heads
+        assert model.config.tie_word_embeddings
+    llama = _load(tiny_models["llama"][0]).model.layers[0].self_attn
+    assert isinstance(llama.q_norm, nn.Identity) and isinstance(llama.k_norm, nn.Identity)
+
+
+def test_gguf_files_use_llama_cpp_names_and_keys(tiny_models):
+    qwen3 = GGUFFile(tiny_models["qwen3"][1])
+    assert qwen3.metadata["general.architecture"] == "qwen3"
+    assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight"} <= set(qwen3.tensors)
+    assert "output.weight" not in qwen3.tensors  # tied
+    assert qwen3.metadata["qwen3.attention.key_length"] == 32
+
+    phi3 = GGUFFile(tiny_models["phi3"][1])
+    assert phi3.metadata["general.architecture"] == "phi3"
+    names = set(phi3.tensors)
+    assert "blk.0.attn_qkv.weight" in names and not names & {"blk.0.attn_q.weight", "blk.0.ffn_gate.weight"}
+    config = phi3.config
+    assert phi3.tensors["blk.0.ffn_up.weight"].shape == (2 * config.intermediate_size, config.hidden_size)
+    assert phi3.metadata["phi3.attention.sliding_window"] == 0 and config.sliding_window is None
+    # Neither family's Q/K rows are permuted (llama.cpp runs them with NeoX rotary).
+    hf = tiny_models["phi3"][2].model.layers[0].self_attn.qkv_proj.weight.detach()
+    assert torch.equal(phi3.dequantize("blk.0.attn_qkv.weight"), hf)
+
+    partial = GGUFFile(tiny_models["phi3_partial"][1])
+    assert partial.metadata["phi3.rope.dimension_count"] == 8
+    assert partial.config.rotary_dim == 8 and partial.config.head_dim == 16
+
+
+def test_stacked_checkpoint_loads_as_it_is(tiny_models):
+    """Phi-3's qkv_proj and gate_up_proj go into the model unchanged, float and quantized."""
+    folder, _, hf_model = tiny_models["phi3"]
+    model = _load(folder)
+    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight, hf_model.model.layers[1].mlp.gate_up_proj.weight)
+    quantized = _load(folder, weights="int8")
+    assert isinstance(quantized.model.layers[0].self_attn.qkv_proj, Int8Linear)
+    c = quantized.config
+    ids = torch.arange(3, 23).unsqueeze(0)  # (1, 20)
+    with torch.inference_mode():
+        expected = hf_model(ids).logits
+        cache = DynamicCache(KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=64))
+        logits = quantized(ids, cache, 0, all_logits=True)
+    assert logits.argmax(-1).eq(expected.argmax(-1)).float().mean() > 0.8  # int8 rounding, same model
+
+
+@pytest.mark.parametrize("arch, reason", [("qwen3", "q/k norm"), ("phi3_partial", "partial rotary")])
+def test_native_backend_keeps_the_pytorch_step_for_layers_it_cannot_run(tiny_models, arch, reason):
+    model = _load(tiny_models[arch][0])
+    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), "native")
+    report = runner.report.build
+    assert report.kernel_layers == 0 and not report.whole_step
+    assert len(report.skipped) == model.config.n_layers and all(reason in s for s in report.skipped)
+
+
+def test_native_backend_runs_phi3(tiny_models):
+    model = _load(tiny_models["phi3"][0])
+    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), "native")
+    assert runner.report.build.whole_step and runner.report.build.skipped == []
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="supported: llama.*qwen3.*phi3") as info:
+        ModelConfig.from_hf_dict({"model_type": "gemma2", "vocab_size": 10, "hidden_size": 8,
+                                  "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
+    assert "\n" not in str(info.value)
+    assert {"qwen3", "phi3"} <= set(SUPPORTED_ARCHITECTURES)
+
+
+def test_longrope_is_refused_in_one_line(tiny_models):
+    raw = json.loads((tiny_models["phi3"][0] / "config.json").read_text())
+    raw["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    with pytest.raises(UnsupportedModelError, match="'longrope'.*supported: llama3, linear") as info:
+        ModelConfig.from_hf_dict(raw)
+    assert "\n" not in str(info.value)
+
+
+def test_gguf_of_an_unsupported_architecture_names_the_supported_ones(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'gemma2'.*supported: .*qwen3.*phi3"):
+        GGUFFile(tmp_path / "g.gguf")
