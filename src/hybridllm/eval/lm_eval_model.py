@@ -5,8 +5,7 @@
     results = lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"])
 
 The class is registered with lm-eval as ``"hybridllm"`` when this module is imported, so
-``simple_evaluate(model="hybridllm", model_args={"model": path, "kv_cache": "quantized"})`` builds
-the engine from ``LLM`` keyword arguments.
+``simple_evaluate(model="hybridllm", model_args={"runtime": llm.runtime})`` works too.
 
 Every request runs through the engine's one request loop (:meth:`LLMEngine.generate_batch`): a
 whole task's requests are submitted together and the loop batches them.
@@ -53,24 +52,18 @@ class HybridLLMEvalModel(TemplateLM):
     """lm-eval's model interface on a built runtime of our engine.
 
     Args:
-        runtime: the built model (``LLM(...).runtime``); None builds one from ``llm_options``.
+        runtime: the built model (``LLM(...).runtime``, :func:`hybridllm.runtime.build.build_runtime`).
         batch_size: most requests running at once in the request loop (lm-eval's ``batch_size``;
             "auto" means 16).
         max_gen_toks: token budget of ``generate_until`` when a task gives none.
         show_progress: a progress bar per request kind.
-        **llm_options: ``LLM`` keyword arguments (``model``, ``weights``, ``kv_cache`` ...), used
-            only when ``runtime`` is None; lm-eval's ``device`` and ``max_batch_size`` are ignored
-            (``device`` is an ``LLM`` option only when given with ``runtime=None``).
+        **lm_eval_options: what ``simple_evaluate`` adds (``device``, ``max_batch_size``): ignored,
+            the runtime was built for its device.
     """
 
-    def __init__(self, runtime: Any = None, batch_size: int | str = 16, max_gen_toks: int = 256,
-                 show_progress: bool = True, **llm_options: Any) -> None:
+    def __init__(self, runtime: Any, batch_size: int | str = 16, max_gen_toks: int = 256,
+                 show_progress: bool = True, **lm_eval_options: Any) -> None:
         super().__init__()
-        llm_options.pop("max_batch_size", None)
-        if runtime is None:
-            from hybridllm.llm import LLM  # the facade builds from user options; eval is a tool above it
-
-            runtime = LLM(**llm_options).runtime
         batch = 16 if isinstance(batch_size, str) and batch_size.startswith("auto") else int(batch_size)
         if batch < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
