@@ -14,7 +14,7 @@ import typer
 
 from hybridllm.cli.bench import bench
 from hybridllm.cli.doctor import doctor
-from hybridllm.cli.eval import perplexity
+from hybridllm.cli.eval import lm_eval, perplexity
 from hybridllm.cli.generate import chat, generate
 from hybridllm.cli.models import models
 from hybridllm.cli.plan import plan
@@ -77,6 +77,7 @@ eval_app = typer.Typer(help="Quality evaluations against the float reference of 
 for command in (generate, chat, serve, bench, plan, doctor, quantize, models):
     app.command(name=command.__name__)(cli_errors(command))
 eval_app.command(name="perplexity")(cli_errors(perplexity))
+eval_app.command(name="lm-eval")(cli_errors(lm_eval))
 app.add_typer(eval_app, name="eval")
 
 

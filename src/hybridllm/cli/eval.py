@@ -1,4 +1,5 @@
-"""``hybridllm eval``: quality evaluations (``eval perplexity``) against the float reference."""
+"""``hybridllm eval``: quality evaluations against the float reference: ``eval perplexity`` and
+``eval lm-eval`` (lm-evaluation-harness tasks on our engine, the optional ``eval`` extra)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from hybridllm.cli.options import (
+    KV_PANEL,
+    PLACEMENT_PANEL,
     Device,
     Dtype,
     KVOptions,
@@ -70,3 +73,67 @@ def perplexity(
     typer.echo(f"delta                {result.delta_percent:+.3f} %")
     typer.echo(f"KL divergence        {result.kl_divergence:.6f} nats/token")
     typer.echo(f"tokens scored        {result.tokens}  (context {context}, chunk {chunk})")
+
+
+@with_option_groups(own=("kv_cache", "weights"))
+def lm_eval(
+    tasks: Annotated[str, typer.Option("--tasks", help="lm-eval task names, comma-separated (lm-eval's own, or in --include-path).")],
+    include_path: Annotated[Optional[Path], typer.Option("--include-path", help="A folder of task YAML files (your own tasks).")] = None,
+    limit: Annotated[Optional[float], typer.Option("--limit", help="Items per task: a count, or a fraction below 1.")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", help="Few-shot examples per item (default: the task's).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Requests running at once in the request loop.")] = 16,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the table (and lm-eval's results) as JSON.")] = None,
+    kv_cache: Annotated[str, typer.Option("--kv-cache", help="KV formats, comma-separated: dynamic, offloaded, quantized, tiered, host, and int8 / int4 (the quantized strategy with --kv-bits 8 / 4). KV formats change what later forwards read: with --prefill-chunk below the prompt length and --kv-residual 0 a prompt is scored from the quantized cache.", rich_help_panel=KV_PANEL)] = "dynamic",
+    weights: Annotated[Optional[str], typer.Option("--weights", help="Weights modes, comma-separated: float, auto (the file's own 4/8-bit weights; the default), int8, int4.", rich_help_panel=PLACEMENT_PANEL)] = None,
+    model: ModelOptions = ModelOptions(),
+    placement: PlacementOptions = PlacementOptions(),
+    kv: KVOptions = KVOptions(),
+    speed: SpeedOptions = SpeedOptions(),
+) -> None:
+    """Task accuracy with lm-evaluation-harness on our engine; several KV formats or weights: one table with deltas.
+
+    Each --weights x --kv-cache pair runs; deltas are against dynamic KV with the least lossy weights listed.
+    """
+    from hybridllm.eval.lm_eval_runs import (
+        INSTALL_HINT,
+        configurations,
+        evaluate_tasks,
+        format_table,
+        metric_rows,
+        parse_kv_list,
+        parse_weights_list,
+        with_deltas,
+    )
+
+    try:
+        from hybridllm.eval.lm_eval_model import HybridLLMEvalModel
+    except ImportError:
+        raise ConfigError(INSTALL_HINT) from None
+    task_names = [name.strip() for name in tasks.split(",") if name.strip()]
+    if not task_names:
+        raise ConfigError("--tasks needs at least one task name")
+    if limit is not None and limit <= 0:
+        raise ConfigError(f"--limit must be > 0, got {limit}")
+    configs = configurations(parse_weights_list(weights), parse_kv_list(kv_cache))
+    rows, results = [], []
+    for index, config in enumerate(configs):
+        config_kv = dataclasses.replace(kv, kv_cache=config.kv_cache, kv_bits=config.kv_bits or kv.kv_bits)
+        llm = load_llm(model, dataclasses.replace(placement, weights=config.weights), config_kv, speed)
+        typer.echo(f"[{index + 1}/{len(configs)}] weights {config.weights_label} ({llm.weights_format}), "
+                   f"KV {config.kv_label}", err=True)
+        lm = HybridLLMEvalModel(llm.runtime, batch_size=batch_size)
+        output = evaluate_tasks(lm, task_names, include_path, limit=_count(limit), num_fewshot=num_fewshot)
+        del lm, llm  # free this configuration's weights before the next one loads
+        rows += metric_rows(output["results"], config, reference=index == 0)
+        results.append({"weights": config.weights_label, "kv_cache": config.kv_label, "results": output["results"]})
+    rows = with_deltas(rows)
+    for line in format_table(rows):
+        typer.echo(line)
+    if json_out is not None:
+        json_out.write_text(json.dumps({"reference": {"weights": configs[0].weights_label, "kv_cache": configs[0].kv_label},
+                                        "rows": [row.to_dict() for row in rows], "runs": results}, indent=2, default=str))
+
+
+def _count(limit: float | None) -> float | int | None:
+    """lm-eval's limit: a whole number counts items, a fraction below 1 is a share of them."""
+    return int(limit) if limit is not None and limit >= 1 else limit

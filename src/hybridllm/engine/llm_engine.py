@@ -2,6 +2,7 @@
 
     engine = LLMEngine(runtime)
     result = engine.generate(prompt_ids, SamplingParams(max_tokens=16, temperature=0))
+    results = engine.generate_batch([ids_a, ids_b], [params_a, params_b])  # batched in the loop
 
 There is one request loop (:class:`~hybridllm.engine.scheduler.Scheduler`); a single request
 is a batch of one in it (nano-vllm's ``LLMEngine.generate``). When the loop already runs on its
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,18 +102,75 @@ class LLMEngine:
                 if event.finish_reason is not None:
                     unfinished -= 1
                     finished = unfinished == 0
-                    result = GenerationResult(event.full_text, event.token_ids, prompt, event.finish_reason,
-                                              event.metrics or {}, event.all_logprobs, event.prompt_logprobs,
-                                              event.index)
-                    yield StreamEvent("", None, result, index=event.index)
+                    yield StreamEvent("", None, _result(event, prompt), index=event.index)
         finally:
             if not finished:  # the consumer stopped early: free the sequence's KV now
                 self.scheduler.abort(request_id)
                 if not self.scheduler.is_running:
                     self.scheduler.step()
 
+    def generate_batch(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                       on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
+        """Run many requests together through the loop (one sequence each); their results in order.
+
+        Requests are submitted as the loop has room (at most ``max_batch`` running plus as many
+        queued), so any number of them fits the queue; the loop batches their decodes and
+        shares each step's prefill budget among them.
+
+        Args:
+            prompts: the token ids of each request (nothing is prepended).
+            params: each request's sampling parameters (``n`` must be 1).
+            on_result: called with (request index, result) as each request finishes (progress bars).
+
+        Raises:
+            ConfigError: ``prompts`` and ``params`` differ in length, or an ``n`` is not 1.
+            HybridLLMError: a request the loop refused (prompt too long, KV budget); the others are aborted.
+        """
+        if len(prompts) != len(params):
+            raise ConfigError(f"generate_batch got {len(prompts)} prompts but {len(params)} sampling parameters")
+        if any(p.n != 1 for p in params):
+            raise ConfigError("generate_batch runs one sequence per request; n must be 1")
+        events: queue.SimpleQueue[SeqEvent] = queue.SimpleQueue()
+        batch_id = next(self._ids)
+        request_ids = [f"batch-{batch_id}-{index}" for index in range(len(prompts))]
+        index_of = {request_id: index for index, request_id in enumerate(request_ids)}
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        window = 2 * self.scheduler.max_batch  # running plus queued: the queue never overflows
+        submitted = finished = 0
+        try:
+            while finished < len(prompts):
+                while submitted < len(prompts) and submitted - finished < window:
+                    prompt = [int(t) for t in prompts[submitted]]
+                    self.scheduler.submit(request_ids[submitted], prompt, params[submitted], events.put)
+                    submitted += 1
+                event = self._next_event(events)
+                if event.error is not None:
+                    if isinstance(event.exception, HybridLLMError):
+                        raise event.exception
+                    raise RuntimeError(event.error) from event.exception
+                if event.finish_reason is None:
+                    continue
+                index = index_of[event.request_id]
+                results[index] = _result(event, [int(t) for t in prompts[index]])
+                finished += 1
+                if on_result is not None:
+                    on_result(index, results[index])
+        finally:
+            unfinished = [request_ids[i] for i in range(submitted) if results[i] is None]
+            for request_id in unfinished:  # a failure or a consumer that stopped: free their KV now
+                self.scheduler.abort(request_id)
+            if unfinished and not self.scheduler.is_running:
+                self.scheduler.step()
+        return results
+
     def _next_event(self, events: queue.SimpleQueue[SeqEvent]) -> SeqEvent:
         """The sequence's next event: step the loop here, or wait for the loop's thread."""
         while events.empty() and not self.scheduler.is_running:
             self.scheduler.step()
         return events.get()
+
+
+def _result(event: SeqEvent, prompt: list[int]) -> GenerationResult:
+    """The result a sequence's last event carries."""
+    return GenerationResult(event.full_text, event.token_ids, prompt, event.finish_reason, event.metrics or {},
+                            event.all_logprobs, event.prompt_logprobs, event.index)

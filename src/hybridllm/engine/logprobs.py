@@ -38,8 +38,11 @@ def sequence_logprobs(logits: torch.Tensor, token_ids: list[int], top_k: int) ->
     same index (row i is the model's output at the position before token i)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (T, vocab)
     chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)).squeeze(1)  # (T,)
-    return [TokenLogprob(token_id, float(value), _top(row, top_k))
-            for token_id, value, row in zip(token_ids, chosen.tolist(), logprobs)]
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
+    if top_k > 0:  # one topk for all rows (a prompt scored by lm-eval has many)
+        values, ids = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)  # (T, k) each
+        tops = [tuple(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return [TokenLogprob(token_id, float(value), top) for token_id, value, top in zip(token_ids, chosen.tolist(), tops)]
 
 
 def _top(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
