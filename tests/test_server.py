@@ -99,6 +99,18 @@ def metrics(base: str) -> dict[str, float]:
     return out
 
 
+def metrics_mid_stream(base: str, body: dict) -> dict[str, float]:
+    """Start streaming ``body`` to /v1/completions, scrape /metrics after its first 3 chunks, then
+    disconnect (closing the stream mid-way)."""
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{base}/v1/completions", json=body) as response:
+        # keep the line iterator referenced: dropping it mid-stream makes httpx close the connection
+        lines = response.iter_lines()
+        seen = 0
+        while seen < 3:
+            seen += next(lines).startswith("data:")
+        return metrics(base)
+
+
 def chat(client, model_id, prompt, **kw):
     return client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}],
                                           temperature=0, **kw)
@@ -276,15 +288,9 @@ def test_disconnecting_a_streaming_client_frees_its_kv(server, model_id):
     aborted = metrics(base)['hybridllm:request_success_total{finished_reason="abort"}']
     body = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=120) as http, http.stream("POST", f"{base}/v1/completions", json=body) as response:
-        # keep the line iterator referenced: dropping it mid-stream makes httpx close the connection
-        lines = response.iter_lines()
-        seen = 0
-        while seen < 3:
-            seen += next(lines).startswith("data:")
-        during = metrics(base)
-        assert during["hybridllm:num_requests_running"] == 1
-        assert during['hybridllm:kv_cache_bytes{tier="device"}'] > 0
+    during = metrics_mid_stream(base, body)  # the client disconnects after 3 chunks
+    assert during["hybridllm:num_requests_running"] == 1
+    assert during['hybridllm:kv_cache_bytes{tier="device"}'] > 0
     deadline = time.monotonic() + 60  # a bound, not a timing assertion: freed at the next step
     while time.monotonic() < deadline:
         now = metrics(base)
@@ -553,12 +559,7 @@ def test_metrics_counters_kv_usage_and_phase_histograms(live):
     assert re.search(r"^hybridllm:bus_bytes[{ ]", text, re.M) is None  # no gauge left under the old name
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=120) as http, http.stream("POST", f"{base}/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        seen = 0
-        while seen < 3:
-            seen += next(lines).startswith("data:")
-        during = metrics(base)
+    during = metrics_mid_stream(base, body)
     assert during["hybridllm:kv_cache_holdable_bytes"] > 0
     assert 0 < during["hybridllm:kv_cache_usage_perc"] <= 1  # not 0 although no budget was set
     assert during["hybridllm:kv_cache_usage_perc"] == pytest.approx(

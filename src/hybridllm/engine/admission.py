@@ -40,9 +40,3 @@ def admission_decision(need: int, reserved: int, capacity: int | None) -> str:
     return "admit" if reserved + need <= capacity else "wait"
 
 
-
-def tiers_capacity(tiers: tuple[str, ...], budgets: dict[str, int | None]) -> int | None:
-    """Bytes of KV that ``tiers`` may hold together: the sum of their budgets (None: unbounded)."""
-    if any(budgets.get(tier) is None for tier in tiers):
-        return None
-    return sum(budgets[tier] for tier in tiers)

@@ -94,9 +94,7 @@ class LLMEngine:
                 if event.error is not None:
                     unfinished -= 1
                     finished = unfinished == 0  # else the finally aborts the request's other sequences
-                    if isinstance(event.exception, HybridLLMError):
-                        raise event.exception  # the user's error (budgets, prompt): one line in the CLI
-                    raise RuntimeError(event.error) from event.exception
+                    _raise_error(event)
                 if event.text or event.logprobs:
                     yield StreamEvent(event.text, event.token_id, index=event.index, logprobs=event.logprobs)
                 if event.finish_reason is not None:
@@ -145,9 +143,7 @@ class LLMEngine:
                     submitted += 1
                 event = self._next_event(events)
                 if event.error is not None:
-                    if isinstance(event.exception, HybridLLMError):
-                        raise event.exception
-                    raise RuntimeError(event.error) from event.exception
+                    _raise_error(event)
                 if event.finish_reason is None:
                     continue
                 index = index_of[event.request_id]
@@ -168,6 +164,14 @@ class LLMEngine:
         while events.empty() and not self.scheduler.is_running:
             self.scheduler.step()
         return events.get()
+
+
+def _raise_error(event: SeqEvent) -> None:
+    """Raise a failed sequence's error: the user's (budgets, prompt) as it is, so the CLI prints
+    one line; anything else as an internal error."""
+    if isinstance(event.exception, HybridLLMError):
+        raise event.exception
+    raise RuntimeError(event.error) from event.exception
 
 
 def _result(event: SeqEvent, prompt: list[int]) -> GenerationResult:

@@ -55,7 +55,6 @@ from hybridllm.engine.admission import (
     QueueFullError,
     admission_decision,
     kv_bytes_needed,
-    tiers_capacity,
 )
 from hybridllm.engine.logprobs import TokenLogprob, sequence_logprobs, token_logprob
 from hybridllm.engine.metrics import HostPeakMemory
@@ -68,7 +67,7 @@ from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.kvcache.copy import copy_cache
-from hybridllm.kvcache.registry import admission_tiers
+from hybridllm.kvcache.registry import admission_tiers, tiers_capacity
 from hybridllm.timing import synchronize
 
 logger = logging.getLogger(__name__)
@@ -385,16 +384,25 @@ class Scheduler:
         seq.output = RequestOutput(self.tokenizer, params, seq.max_new_tokens)
         if params.repetition_penalty != 1.0:
             seq.history = torch.tensor(seq.prompt_ids, dtype=torch.long)
-        seq.adopt(self.runtime.new_cache(self.ledger), self.runtime.runner)
-        if not self.device_room_needed(len(seq.prompt_ids)):
-            seq.cache.reserve(seq.reserve_tokens)
-        # else (tiered under a device budget): no up-front reservation; the hot store grows page by
-        # page, so running sequences share the device and spill their cold pages to the host
+        seq.adopt(self._new_cache(seq, on_host=False), self.runtime.runner)
         if alone:
             self._reset_peaks()
         self.observer.on_scheduled(seq)
         seq.start_time = time.perf_counter()
         self._relieve(seq)
+
+    def _new_cache(self, seq: SequenceState, on_host: bool) -> Any:
+        """An empty cache for ``seq`` in the shared ledger (the KV policy's, or a host cache),
+        allocated up front for its prompt and budget, except a tiered cache under a device budget:
+        its hot store grows page by page, so running sequences share the device and spill their
+        cold pages to the host."""
+        if on_host:
+            cache = self.runtime.new_host_cache(self.ledger)
+        else:
+            cache = self.runtime.new_cache(self.ledger)
+        if on_host or not self.device_room_needed(len(seq.prompt_ids)):
+            cache.reserve(seq.reserve_tokens)
+        return cache
 
     def _reset_peaks(self) -> None:
         self.host_memory.reset()
@@ -549,10 +557,7 @@ class Scheduler:
             fork.prompt_logprobs = seq.prompt_logprobs
             fork.prefilled = seq.prefilled
             fork.scheduled_time, fork.start_time = seq.scheduled_time, seq.start_time
-            on_host = seq.runner is not self.runtime.runner
-            cache = self.runtime.new_host_cache(self.ledger) if on_host else self.runtime.new_cache(self.ledger)
-            if on_host or not self.device_room_needed(len(seq.prompt_ids)):
-                cache.reserve(fork.reserve_tokens)
+            cache = self._new_cache(fork, on_host=seq.runner is not self.runtime.runner)
             fork.adopt(copy_cache(seq.cache, cache), seq.runner)
             with self._cond:
                 self._running.append(fork)

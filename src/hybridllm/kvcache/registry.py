@@ -44,18 +44,20 @@ def admission_tiers(name: str) -> tuple[str, ...]:
     return get_strategy(name).tiers
 
 
+def tiers_capacity(tiers: tuple[str, ...], budgets: dict[str, int | None]) -> int | None:
+    """Bytes of KV that ``tiers`` may hold together: the sum of their budgets (None when any of
+    them is unbounded)."""
+    if any(budgets.get(tier) is None for tier in tiers):
+        return None
+    return sum(budgets[tier] for tier in tiers)
+
+
 def kv_capacity(name: str, budgets: dict[str, int | None]) -> int | None:
     """Bytes of KV the strategy may hold: the sum of the budgets of the tiers it stores in.
 
     None when any of those tiers is unbounded.
     """
-    total = 0
-    for tier in admission_tiers(name):
-        budget = budgets.get(tier)
-        if budget is None:
-            return None
-        total += budget
-    return total
+    return tiers_capacity(admission_tiers(name), budgets)
 
 
 def host_layers_cost(spec: KVSpec, n_tokens: int) -> KVCost:
@@ -64,4 +66,5 @@ def host_layers_cost(spec: KVSpec, n_tokens: int) -> KVCost:
     return dynamic.dense_cost("host", spec, n_tokens)
 
 
-__all__ = ["STRATEGIES", "admission_tiers", "get_strategy", "host_layers_cost", "kv_capacity", "strategy_names"]
+__all__ = ["STRATEGIES", "admission_tiers", "get_strategy", "host_layers_cost", "kv_capacity", "strategy_names",
+           "tiers_capacity"]

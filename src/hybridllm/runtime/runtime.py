@@ -116,7 +116,3 @@ class Runtime:
     def host_runner(self) -> Any | None:
         """The host runner if phase migration has built it, else None."""
         return None if self._migration is None else self._migration.runner
-
-    def runners(self) -> list[Any]:
-        """Every runner built so far (the placed one first)."""
-        return [self.runner] if self._migration is None else [self.runner, self._migration.runner]
