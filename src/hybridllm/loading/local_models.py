@@ -80,9 +80,12 @@ def snapshot_model(snapshot: Path) -> Path | None:
     if len(ggufs) > 1:
         names = ", ".join(str(p.relative_to(snapshot)) for p in ggufs[:4])
         raise ModelLoadError(f"{snapshot} holds several GGUF files ({names}); pass the one you want as a path")
-    if (snapshot / "config.json").is_file() and any(snapshot.glob("*.safetensors")):
-        return snapshot
-    return None
+    return snapshot if is_hf_folder(snapshot) else None
+
+
+def is_hf_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a Hugging Face model (a ``config.json`` and safetensors)."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
 def find_model(name: str, default_model: Path | None = None) -> Path:
@@ -101,19 +104,19 @@ def find_model(name: str, default_model: Path | None = None) -> Path:
             f"({hf_hub_dir()}); hybridllm never downloads: fetch it first (huggingface-cli download {name}) "
             f"or pass the path of a GGUF file or a Hugging Face folder")
     wanted = name if name.endswith(GGUF_SUFFIX) else name + GGUF_SUFFIX
-    for model in local_models(default_model):
-        if model.file_format == "gguf" and model.path.name == wanted:
-            return model.path
+    for _name, path, _source in model_paths(default_model):
+        if path.name == wanted:
+            return path
     raise ModelLoadError(f"model not found: {name} (no such file, and no GGUF of that name in the default "
                          f"model's package or the Hugging Face cache; `hybridllm models` lists what is here)")
 
 
-def local_models(default_model: Path | None = None) -> list[LocalModel]:
-    """Every model found: the default model (``default_model``, when installed) first, then the
-    Hugging Face cache's repos, by name."""
-    found: list[LocalModel] = []
+def model_paths(default_model: Path | None = None) -> list[tuple[str, Path, str]]:
+    """(name, path, source) of every model found, without reading any of them: the default model
+    (``default_model``, when installed) first, then the Hugging Face cache's repos, by name."""
+    found: list[tuple[str, Path, str]] = []
     if default_model is not None and default_model.is_file():
-        found.append(describe(default_model, default_model.name, "default model"))
+        found.append((default_model.name, default_model, "default model"))
     hub = hf_hub_dir()
     if hub.is_dir():
         for repo in sorted(hub.glob("models--*")):
@@ -123,10 +126,15 @@ def local_models(default_model: Path | None = None) -> list[LocalModel]:
                 continue
             ggufs = sorted(snapshot.rglob(f"*{GGUF_SUFFIX}"))
             for gguf in ggufs:
-                found.append(describe(gguf, repo_id if len(ggufs) == 1 else gguf.name, "huggingface cache"))
-            if not ggufs and (snapshot / "config.json").is_file() and any(snapshot.glob("*.safetensors")):
-                found.append(describe(snapshot, repo_id, "huggingface cache"))
+                found.append((repo_id if len(ggufs) == 1 else gguf.name, gguf, "huggingface cache"))
+            if not ggufs and is_hf_folder(snapshot):
+                found.append((repo_id, snapshot, "huggingface cache"))
     return found
+
+
+def local_models(default_model: Path | None = None) -> list[LocalModel]:
+    """Every model found (:func:`model_paths`), described from its header or config."""
+    return [describe(path, name, source) for name, path, source in model_paths(default_model)]
 
 
 def describe(path: Path, name: str, source: str) -> LocalModel:
