@@ -514,7 +514,8 @@ def test_unsupported_fields_are_refused_by_name_and_neutral_or_unknown_ones_pass
     asking = {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": "yes",
               "functions": [tool["function"]], "function_call": {"name": "f"},
               "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
-              "prediction": {"type": "content", "content": "x"}, "web_search_options": {}}
+              "prediction": {"type": "content", "content": "x"}, "web_search_options": {}, "suffix": " end",
+              "best_of": 2}
     assert set(asking) == {field.name for field in UNSUPPORTED_FIELDS}  # every row of the table is exercised
     on_chat = {"tools", "tool_choice", "parallel_tool_calls"}  # implemented on chat (tests/test_structured_output.py)
     for name, value in asking.items():

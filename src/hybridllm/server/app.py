@@ -542,10 +542,6 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
         refuse_unsupported(body.model_extra)
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if body.best_of not in (None, 1):
-            raise APIError(400, "only best_of=1 is supported", param="best_of")
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:

@@ -249,8 +249,6 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = Field(default=None, description="Return the prompt before the completion.")
     logprobs: int | None = Field(default=None, ge=0, le=20,
                                  description="Log-probabilities with this many alternatives per token.")
-    suffix: str | None = Field(default=None, description="Not supported.")
-    best_of: int | None = Field(default=None, description="Only 1 is supported.")
 
 
 # ---- responses ---------------------------------------------------------------------------

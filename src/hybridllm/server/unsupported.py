@@ -43,6 +43,8 @@ UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
     UnsupportedField("audio", (), "audio output"),
     UnsupportedField("prediction", (), "predicted outputs"),
     UnsupportedField("web_search_options", (), "web search"),
+    UnsupportedField("suffix", ("",), "insertion after the completion"),
+    UnsupportedField("best_of", (1,), "best_of above 1; n returns several completions"),
 )
 
 
