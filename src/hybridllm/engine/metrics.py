@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import resource
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 
 
 class HostPeakMemory:
@@ -106,26 +104,3 @@ class RequestMetrics:
         out.update(self.extra)
         return out
 
-
-class RequestTimer:
-    """Timestamps one request: start, first token, each later token."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.start = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.intervals: list[float] = []
-
-    def token(self) -> None:
-        """Mark that a token is ready (call after it has been sampled on the host)."""
-        now = time.perf_counter()
-        if self.first_token_at is None:
-            self.first_token_at = now
-        else:
-            self.intervals.append(now - self.last_token_at)
-        self.last_token_at = now
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.start
