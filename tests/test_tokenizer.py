@@ -589,3 +589,18 @@ def test_template_helpers() -> None:
 def test_decode_rejects_negative_ids(smollm: Tokenizer) -> None:
     with pytest.raises(HybridLLMError):
         smollm.decode([1, -5])
+
+
+def test_logprob_bytes_of_a_partial_utf8_token_are_its_real_bytes(smollm: Tokenizer) -> None:
+    """A token holding part of a UTF-8 character spells as U+FFFD, but OpenAI's ``bytes`` field
+    carries its real bytes: the pieces of a character join back into it."""
+    from hybridllm.engine.structured import GrammarCompiler
+    from hybridllm.server.logprobs import TokenText
+
+    compiler = GrammarCompiler(smollm, smollm.vocab_size)
+    token_text = TokenText(smollm, raw_bytes=lambda i: compiler.ll_tokenizer().decode_bytes([i]))
+    ids = smollm.encode("日本語の文章", add_special_tokens=False)
+    partial = [i for i in ids if "\ufffd" in token_text(i)]
+    assert partial, "expected a token that is not whole UTF-8 on its own"
+    assert all(bytes(token_text.bytes(i)) != "\ufffd".encode() for i in partial)
+    assert bytes(b for i in ids for b in token_text.bytes(i)).decode("utf-8") == "日本語の文章"

@@ -214,7 +214,7 @@ def create_app(
             raise APIError(400, f"the model '{name}' does not exist; this server serves '{served}'",
                            param="model", code="model_not_found")
 
-    token_text = TokenText(llm.tokenizer)
+    token_text = TokenText(llm.tokenizer, raw_bytes=lambda token_id: scheduler.grammars.ll_tokenizer().decode_bytes([token_id]))
 
     def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
         """OpenAI's ``logit_bias`` (token id as a string -> bias) checked against the vocabulary."""

@@ -8,17 +8,24 @@ prompt token under ``echo``) has ``null`` in ``token_logprobs`` and ``top_logpro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridllm.engine.logprobs import TokenLogprob
 
 
 class TokenText:
-    """Each token id's text as the logprob entries spell it (special tokens included), cached."""
+    """Each token id's text as the logprob entries spell it (special tokens included), cached.
 
-    def __init__(self, tokenizer: Any) -> None:
+    Args:
+        tokenizer: the model's tokenizer (its ``decode`` spells a token).
+        raw_bytes: a token id's exact bytes; used where the token alone is not whole UTF-8 (its
+            text then holds U+FFFD, and OpenAI's ``bytes`` field must carry the real bytes).
+    """
+
+    def __init__(self, tokenizer: Any, raw_bytes: Callable[[int], bytes] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.raw_bytes = raw_bytes
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
@@ -27,12 +34,18 @@ class TokenText:
             text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's bytes as OpenAI's ``bytes`` field lists them."""
+        text = self(token_id)
+        if "\ufffd" in text and self.raw_bytes is not None:
+            return list(self.raw_bytes(token_id))
+        return list(text.encode("utf-8"))
+
 
 def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
     """``{"content": [...]}`` of the generated tokens ``entries``."""
     def item(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": token_text(token_id), "logprob": logprob, "bytes": token_text.bytes(token_id)}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
                         for e in entries]}
