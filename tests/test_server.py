@@ -7,6 +7,7 @@ errors, two apps in one process).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -539,6 +540,8 @@ def test_unsupported_fields_are_refused_by_name_and_neutral_or_unknown_ones_pass
 
 def test_request_body_over_the_limit_gets_413_with_an_error_object(live):
     base, _client, model = live
+    refused_key = 'hybridllm:request_rejected_total{reason="request_too_large"}'
+    refused_before = metrics(base)[refused_key]
     big = {"model": model, "messages": [{"role": "user", "content": "x" * (65 * 1024)}], "max_tokens": 2}
     r = httpx.post(f"{base}/v1/chat/completions", json=big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -549,6 +552,7 @@ def test_request_body_over_the_limit_gets_413_with_an_error_object(live):
 
     r = httpx.post(f"{base}/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
     assert r.status_code == 413
+    assert metrics(base)[refused_key] == refused_before + 2
     small = {"model": model, "messages": [{"role": "user", "content": "x" * 1000}], "max_tokens": 2}
     assert httpx.post(f"{base}/v1/chat/completions", json=small, timeout=300).status_code == 200
 
@@ -665,3 +669,28 @@ def test_sigterm_finishes_four_inflight_streams_refuses_new_requests_and_exits_z
         finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         assert finals == ["length"]
         assert chunks[-1].usage.completion_tokens == max_tokens
+
+
+def test_draining_refusals_are_counted():
+    """Each request refused while draining calls the rejection hook once; /health passes."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from hybridllm.server.shutdown import Draining, RefuseWhileDraining
+
+    refused = []
+    draining = Draining()
+    inner = Starlette(routes=[Route("/v1/models", lambda _r: PlainTextResponse("ok")),
+                              Route("/health", lambda _r: PlainTextResponse("ok"))])
+    app = RefuseWhileDraining(inner, draining=draining, on_refused=lambda: refused.append(1))
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            codes = [(await client.get("/v1/models")).status_code]
+            draining.begin()
+            codes += [(await client.get("/v1/models")).status_code, (await client.get("/health")).status_code]
+            return codes
+
+    assert asyncio.run(run()) == [200, 503, 200]
+    assert refused == [1]

@@ -155,8 +155,9 @@ def create_app(
     app.state.metrics = metrics
     app.state.model_name = served
     app.state.draining = draining
-    app.add_middleware(RefuseWhileDraining, draining=draining)
-    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+    app.add_middleware(RefuseWhileDraining, draining=draining, on_refused=lambda: metrics.on_rejected("shutting_down"))
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
+                       on_refused=lambda: metrics.on_rejected("request_too_large"))
 
     # ---- errors --------------------------------------------------------------------------
     @app.exception_handler(APIError)

@@ -8,6 +8,7 @@ would otherwise see a reset connection instead of the 413).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hybridllm.server.asgi import send_error
@@ -26,11 +27,14 @@ class BodySizeLimit:
     Args:
         app: the ASGI app behind.
         max_bytes: the largest body accepted.
+        on_refused: called once per refused request (the server's rejection counter).
     """
 
-    def __init__(self, app: Any, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, app: Any, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 on_refused: Callable[[], None] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -56,6 +60,8 @@ class BodySizeLimit:
         await self.app(scope, _replay([body], receive), send)
 
     async def _refuse(self, send: Any) -> None:
+        if self.on_refused is not None:
+            self.on_refused()
         await send_error(send, 413, error_body(
             f"the request body is larger than this server accepts ({format_bytes(self.max_bytes)}); "
             f"send less, or start the server with a larger --max-request-bytes", code="request_too_large"))

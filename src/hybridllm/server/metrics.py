@@ -121,7 +121,7 @@ class ServerMetrics(SchedulerObserver):
                                 ["model_name", "reason"], registry=reg)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
-        for reason in ("queue_full", "kv_budget", "invalid", "unauthorized"):
+        for reason in ("queue_full", "kv_budget", "invalid", "unauthorized", "request_too_large", "shutting_down"):
             self.rejected.labels(model_name, reason)
         self.adaptive_actions = Counter(
             f"{PREFIX}adaptive_actions", "Re-planning actions taken while requests ran (--kv-adaptive), by kind.",

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -51,18 +52,22 @@ class RefuseWhileDraining:
     Args:
         app: the ASGI app behind.
         draining: the switch.
+        on_refused: called once per refused request (the server's rejection counter).
     """
 
     OPEN_PATHS = ("/health", "/metrics")
 
-    def __init__(self, app: Any, draining: Draining) -> None:
+    def __init__(self, app: Any, draining: Draining, on_refused: Callable[[], None] | None = None) -> None:
         self.app = app
         self.draining = draining
+        self.on_refused = on_refused
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.draining.active or scope.get("path") in self.OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        if self.on_refused is not None:
+            self.on_refused()
         await send_error(send, 503, error_body("the server is shutting down; send the request to another instance",
                                                type="server_error", code="shutting_down"))
 
