@@ -287,9 +287,12 @@ def create_app(
         except HybridLLMError as exc:
             raise APIError(400, str(exc)) from None
 
-    def submit(request_id: str, prompt_ids: list[int], params: SamplingParams,
-               grammar_param: str = "response_format") -> asyncio.Queue[SeqEvent]:
-        """Queue the request; ``grammar_param``: the field a structured-output error names."""
+    async def submit(request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     grammar_param: str = "response_format") -> asyncio.Queue[SeqEvent]:
+        """Queue the request; ``grammar_param``: the field a structured-output error names.
+
+        A structured-output request compiles its grammar while queued: that runs on a worker
+        thread so that the event loop keeps serving the other requests meanwhile."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
 
@@ -297,7 +300,10 @@ def create_app(
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         try:
-            scheduler.submit(request_id, prompt_ids, params, sink)
+            if params.structured is None:
+                scheduler.submit(request_id, prompt_ids, params, sink)
+            else:
+                await run_in_threadpool(scheduler.submit, request_id, prompt_ids, params, sink)
         except QueueFullError as exc:
             metrics.on_rejected("queue_full")
             raise APIError(503, str(exc), type="server_error", code="queue_full",
@@ -475,7 +481,7 @@ def create_app(
                                  logprobs=(body.top_logprobs or 0) if want_logprobs else None, structured=structured)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
-        queue = submit(request_id, prompt_ids, params, "tools" if forced else "response_format")
+        queue = await submit(request_id, prompt_ids, params, "tools" if forced else "response_format")
         single_call = body.parallel_tool_calls is False
 
         def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -573,7 +579,7 @@ def create_app(
                                  structured=structured_output(body.response_format))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
-        queue = submit(request_id, prompt_ids, params)
+        queue = await submit(request_id, prompt_ids, params)
         completion_start = len(prompt_text)  # text_offset of the first generated token
 
         def prompt_logprobs_of(event: SeqEvent) -> dict[str, Any]:
