@@ -67,7 +67,7 @@ from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.kvcache.copy import copy_cache
-from hybridllm.kvcache.registry import admission_tiers, tiers_capacity
+from hybridllm.kvcache.registry import admission_tiers, get_strategy, tiers_capacity
 from hybridllm.timing import synchronize
 
 logger = logging.getLogger(__name__)
@@ -213,12 +213,13 @@ class Scheduler:
     def device_room_needed(self, prompt_len: int) -> int:
         """Free device KV bytes a new sequence needs before its first prefill chunk can run.
 
-        Only for strategies that spill to the host under a bounded device budget (``tiered``):
+        Only for strategies that spill to the host under a bounded device budget (``tiered``,
+        declared by :attr:`~hybridllm.kvcache.strategy.KVStrategy.spills_to_host`):
         a cache evicts its own cold pages, never another sequence's, so the tokens that must stay
         hot while they are added (sinks, the first chunk, a partial page) have to fit in what the
         running sequences leave free. 0 when no such limit applies.
         """
-        if self.kv_strategy != "tiered" or self.ledger.limit("device") is None:
+        if not get_strategy(self.kv_strategy).spills_to_host or self.ledger.limit("device") is None:
             return 0
         tokens = self.runtime.kv_config.kv_sink_tokens + min(prompt_len, self.prefill_chunk) + self.page_size
         return kv_bytes_needed(tokens, self.token_bytes, self.page_size)

@@ -57,6 +57,8 @@ class KVStrategy:
         describe: a few words on the strategy with these knobs (the planner's explanation).
         moving_parts: how much machinery it adds (quantization, tiers, streaming); the planner
             prefers fewer on a tie.
+        spills_to_host: under a bounded device budget the cache moves its own cold pages to the
+            host, keeping only a hot part on the device (so a new sequence needs room for that part).
     """
 
     name: str
@@ -66,6 +68,7 @@ class KVStrategy:
     cost: Callable[[KVConfig, KVSpec, int, float], KVCost]
     describe: Callable[[KVConfig], str]
     moving_parts: int = 0
+    spills_to_host: bool = False
 
     def memory(self, config: KVConfig, spec: KVSpec, n_tokens: int) -> dict[str, float]:
         """Bytes per tier the cache holds at ``n_tokens`` (the memory model)."""

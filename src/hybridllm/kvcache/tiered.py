@@ -243,6 +243,7 @@ def _tiered_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: flo
 STRATEGY = KVStrategy(
     name="tiered",
     tiers=("device", "host"),
+    spills_to_host=True,
     build=lambda config, spec, ledger: TieredCache(
         spec, ledger,
         page_size=config.kv_page_size,
