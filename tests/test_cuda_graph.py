@@ -198,7 +198,15 @@ def test_llm_generate_with_cuda_graph_equals_eager(tiny_models):
     static_ids = [r.token_ids for r in static.engine.generate_batch(prompts, [params] * 3)]
     eager_ids = [r.token_ids for r in eager.engine.generate_batch(prompts, [params] * 3)]
     assert static_ids == eager_ids
-    assert static.runtime.runner.backend.steps_by_bucket  # the loop's batches went through the static step
+    backend = static.runtime.runner.backend
+    assert backend.steps_by_bucket[4] > 0  # the loop's batch of three went through bucket 4
+    assert static.engine.scheduler.ledger.current("device") == 0  # every row given back
+    assert backend.pool.rows >= 3 and backend.pool.held_rows() == 0
+
+    forked = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)  # n: copies of the prompt's row
+    static_forks = [r.token_ids for r in static.generate_all(prompts[0], forked)]
+    assert static_forks == [r.token_ids for r in eager.generate_all(prompts[0], forked)]
+    assert static_forks[0] == static_forks[1]
 
 
 @pytest.mark.parametrize("placement, words", [
@@ -223,7 +231,7 @@ def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows):
     prompts = (_prompts(model.config.vocab_size) * 2)[:n_rows]
     tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA,
                                      bystander=prompts[0][:3] if n_rows == 1 else None)
-    assert backend.captures and backend._graphs  # the steps were replayed from captured graphs
+    assert backend.captures and backend.captured_keys  # the steps were replayed from captured graphs
     assert tokens == [_eager_greedy(model, p, steps=12, device=CUDA) for p in prompts]
     assert set(backend.steps_by_bucket) == {2 if n_rows == 1 else 4}  # the bystander took row 1
 

@@ -67,6 +67,10 @@ class StaticKVPool:
     def release(self, row: int) -> None:
         self._owners[row] = None
 
+    def held_rows(self) -> int:
+        """Rows a sequence holds now."""
+        return sum(owner is not None for owner in self._owners)
+
     def ensure_capacity(self, n_tokens: int) -> None:
         """At least ``n_tokens`` per row (doubling, whole pages, at most ``spec.max_tokens``)."""
         if n_tokens <= self.capacity:

@@ -112,6 +112,11 @@ class CudaGraphBackend(EagerBackend):
             raise ConfigError("the cuda-graph decode backend serves one KV shape per model")
         return StaticSlotCache(spec, ledger, self.pool)
 
+    @property
+    def captured_keys(self) -> list[tuple[int, int]]:
+        """The (batch bucket, key span) steps captured over the pool's current buffers."""
+        return list(self._graphs)
+
     # ---- the step ------------------------------------------------------------------------
     def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache) -> torch.Tensor | None:
