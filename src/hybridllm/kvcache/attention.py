@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
@@ -59,8 +60,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
     if query_start == 0:  # prefill with no past: causal as such (the flash kernels apply)
         return sdpa(q, k, v, is_causal=True, enable_gqa=groups > 1)  # (B, H, T, D)
     if q.device.type == "cuda":  # chunked prefill: lower-right causal, no (T, S) mask
-        return sdpa(q, k, v, attn_mask=causal_lower_right(n_queries, k.shape[2]), enable_gqa=groups > 1)
+        return lower_right_causal_attention(q, k, v)
     return split_causal_attention(q, k, v, query_start).to(q.dtype)
+
+
+def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last T positions over S keys through ``causal_lower_right``.
+
+    PyTorch runs it in the flash kernel (grouped-query heads native), else in the memory-efficient
+    one, which takes equal head counts: K/V heads are repeated only where flash does not apply
+    (float32, old GPUs). q: (B, H, T, D); k, v: (B, Hkv, S, D). Returns (B, H, T, D).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+    return sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), enable_gqa=groups > 1)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -> torch.Tensor:
