@@ -19,6 +19,7 @@ from hybridllm.kvcache.attention import (
     causal_mask,
     length_masked_decode_attention,
     lower_right_causal_attention,
+    split_kv_decode_attention,
     reference_partial_attention,
     split_causal_attention,
     split_kv_attention,
@@ -96,6 +97,14 @@ def test_length_masked_decode_sees_each_rows_own_keys():
         torch.testing.assert_close(out[row:row + 1], expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_tokens", [64, 128])
+def test_split_static_decode_equals_the_masked_sdpa(chunk_tokens):
+    q, k, v = _qkv(256)
+    lengths = torch.tensor([1, 200])  # a row that sees one key (whole chunks past its length)
+    torch.testing.assert_close(split_kv_decode_attention(q[:, :, :1], k, v, lengths, chunk_tokens),
+                               length_masked_decode_attention(q[:, :, :1], k, v, lengths), atol=2e-6, rtol=1e-5)
+
+
 def test_buckets_and_spans():
     assert BATCH_BUCKETS == (1, 2, 4, 8, 16, 32, 64)
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 33, 64, 65)] == [1, 2, 4, 4, 8, 64, 64, None]
@@ -130,11 +139,14 @@ def _eager_greedy(model, prompt: list[int], steps: int, device: torch.device = C
 
 
 def _static_greedy(model, prompts: list[list[int]], steps: int, device: torch.device = CPU,
-                   bystander: list[int] | None = None):
+                   bystander: list[int] | None = None, attention: str | None = None):
     """Greedy tokens of ``prompts`` decoded as one batch through the cuda-graph backend; a
-    ``bystander`` prompt is prefilled into a row inside the bucket but never decoded."""
+    ``bystander`` prompt is prefilled into a row inside the bucket but never decoded;
+    ``attention`` narrows the static attention to one form."""
     runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(device), "cuda-graph")
     backend = runner.backend
+    if attention is not None:
+        backend.attention_variants = (attention,)
     ledger = MemoryLedger()
     spec = _spec(model.config, device, model.compute_dtype)
     caches = [backend.new_cache(spec, ledger) for _ in prompts]
@@ -167,12 +179,12 @@ def test_static_step_alone_gives_the_eager_tokens(tiny_models):
     assert backend.steps_by_bucket == {1: 9}  # every decode step ran the static step, bucket 1
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
-def test_a_batch_of_three_padded_to_four_gives_each_rows_eager_tokens(tiny_models, arch):
+@pytest.mark.parametrize("arch, attention", [("llama3", "sdpa"), ("qwen3", "sdpa"), ("llama3", "split")])
+def test_a_batch_of_three_padded_to_four_gives_each_rows_eager_tokens(tiny_models, arch, attention):
     model = _model(tiny_models, arch)
     prompts = _prompts(model.config.vocab_size)
     bystander = prompts[0][:3]  # a sequence in the fourth row of the bucket, never in the batch
-    tokens, backend = _static_greedy(model, prompts, steps=8, bystander=bystander)
+    tokens, backend = _static_greedy(model, prompts, steps=8, bystander=bystander, attention=attention)
     assert tokens == [_eager_greedy(model, p, steps=8) for p in prompts]
     assert backend.steps_by_bucket == {4: 7}
 
@@ -224,13 +236,15 @@ CUDA = torch.device("cuda")
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("attention", [None, "sdpa", "split"])  # None: the faster form, chosen by timing
 @pytest.mark.parametrize("n_rows, bucket", [(1, 1), (3, 4)])
-def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket):
+def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, attention):
     model = _model(tiny_models, device=CUDA, dtype=torch.float32)
     prompts = _prompts(model.config.vocab_size)[:n_rows]
     bystander = prompts[0][:3] if n_rows > 1 else None  # in the fourth row of bucket 4: must stay untouched
-    tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA, bystander=bystander)
+    tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA, bystander=bystander, attention=attention)
     assert backend.captures and backend.captured_keys  # the steps were replayed from captured graphs
+    assert all(set(timings) <= {"sdpa", "split"} for timings in backend.attention_choice.values())
     assert {key[0] for key in backend.captured_keys} == {bucket}
     assert tokens == [_eager_greedy(model, p, steps=12, device=CUDA) for p in prompts]
     assert backend.steps_by_bucket == {bucket: 11}

@@ -144,6 +144,41 @@ def length_masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out.reshape(batch, n_heads, 1, head_dim)
 
 
+def split_kv_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                              chunk_tokens: int) -> torch.Tensor:
+    """:func:`length_masked_decode_attention` split along the keys (flash-decoding, for a graph).
+
+    One SDPA call over a long buffer runs in few thread blocks at q_len 1 (batch x KV heads);
+    here every ``chunk_tokens`` keys are a batch of the two products, so the reads of K and V
+    spread over many blocks, and the chunks' partials merge by log-sum-exp. No host sync, no
+    branch on data. The products run in the buffer's dtype (no float32 copy of K or V), the
+    softmax and the merge in float32.
+
+    Args:
+        q: (B, H, 1, D); k, v: (B, Hkv, S, D) with S a multiple of ``chunk_tokens``;
+            lengths: (B,) int64 in 1..S.
+    Returns:
+        (B, H, 1, D) in q's dtype.
+    """
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    groups, n_chunks = n_heads // n_kv_heads, n_keys // chunk_tokens
+    q5 = q.reshape(batch, n_kv_heads, 1, groups, head_dim)  # (B, Hkv, 1, G, D)
+    k5 = k.reshape(batch, n_kv_heads, n_chunks, chunk_tokens, head_dim)  # (B, Hkv, C, chunk, D)
+    v5 = v.reshape(batch, n_kv_heads, n_chunks, chunk_tokens, head_dim)
+    scores = torch.matmul(q5, k5.transpose(-1, -2)).float() / math.sqrt(head_dim)  # (B, Hkv, C, G, chunk)
+    key_index = torch.arange(n_keys, device=lengths.device).reshape(n_chunks, 1, chunk_tokens)  # (C, 1, chunk)
+    visible = key_index[None, None] < lengths[:, None, None, None, None]  # (B, 1, C, 1, chunk)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    chunk_max = scores.amax(dim=-1, keepdim=True)  # (B, Hkv, C, G, 1); -inf for a chunk past the row's length
+    weights = torch.exp(scores - torch.where(torch.isfinite(chunk_max), chunk_max, torch.zeros_like(chunk_max)))
+    sums = weights.sum(dim=-1, keepdim=True)  # (B, Hkv, C, G, 1)
+    outs = torch.matmul(weights.to(v.dtype), v5).float()  # (B, Hkv, C, G, D), unnormalized
+    scale = torch.exp(chunk_max - chunk_max.amax(dim=2, keepdim=True))  # (B, Hkv, C, G, 1); 0 for empty chunks
+    out = (scale * outs).sum(dim=2) / (scale * sums).sum(dim=2)  # (B, Hkv, G, D)
+    return out.reshape(batch, n_heads, 1, head_dim).to(q.dtype)
+
+
 def partial_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

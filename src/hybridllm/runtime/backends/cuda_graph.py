@@ -15,8 +15,12 @@ the host or branches on data, so on CUDA it is captured once per (batch bucket, 
 - Key span: the step attends over the first ``span`` columns, the next power of two above the
   longest row (at least :data:`MIN_KEY_SPAN`), so a 4K sequence in a 32K pool reads 4-8K keys,
   not 32K (a graph per span: the attention's shape is part of the graph).
-- The pool grows (rows, capacity) by reallocation; graphs over old buffers are dropped and
+- The pool grows (rows, capacity) by reallocation; graphs over the old buffers are dropped and
   captured again on next use (``generation``).
+- Decode attention by measurement: each (bucket, span) is captured with every applicable form of
+  the static attention (:data:`DECODE_ATTENTION`: one SDPA call with a length mask, or the keys
+  split in chunks, flash-decoding style), each graph is replayed a few times, and the faster one
+  is kept (``attention_choice`` records the timings). On the CPU the first form applies.
 
 Placement: every layer, the embedding and the head on the device, dense KV (``dynamic``),
 decoding on the device (:meth:`CudaGraphBackend.check_placement`). The runtime asks the backend
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridllm.errors import ConfigError
-from hybridllm.kvcache.attention import length_masked_decode_attention
+from hybridllm.kvcache.attention import length_masked_decode_attention, split_kv_decode_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.kvcache.static import StaticKVPool, StaticSlotCache
@@ -46,6 +50,10 @@ DENSE_STRATEGIES = ("dynamic",)
 
 # rows of the input block the static step reads, each (max bucket,) int64
 IDS, POSITIONS, COLUMNS, LENGTHS = range(4)
+# the forms of the static step's attention, tried in this order (the first one serves the CPU)
+DECODE_ATTENTION = ("sdpa", "split")
+SPLIT_CHUNKS = (256, 128, 64)  # keys per chunk of the split form: the first that divides the span
+TIMED_REPLAYS = 3
 
 
 def batch_bucket(rows: int) -> int | None:
@@ -59,12 +67,27 @@ def key_span(longest: int, capacity: int) -> int:
     return min(capacity, max(MIN_KEY_SPAN, 1 << (longest - 1).bit_length()))
 
 
+def split_chunk(span: int) -> int | None:
+    """Keys per chunk of the split attention over ``span`` keys (None: no chunk size divides it)."""
+    return next((chunk for chunk in SPLIT_CHUNKS if span % chunk == 0), None)
+
+
+def static_decode_attention(variant: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            lengths: torch.Tensor) -> torch.Tensor:
+    """The static step's attention in form ``variant`` ("sdpa" or "split"): q (B, H, 1, D) over
+    keys/values (B, Hkv, span, D) with ``lengths`` (B,) visible keys per row -> (B, H, 1, D)."""
+    if variant == "split":
+        return split_kv_decode_attention(q, keys, values, lengths, split_chunk(keys.shape[2]))
+    return length_masked_decode_attention(q, keys, values, lengths)
+
+
 @dataclass
 class CapturedStep:
-    """A captured decode step and its static output (bucket, 1, vocab)."""
+    """A captured decode step, its static output (bucket, 1, vocab) and its attention form."""
 
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
+    attention: str
 
 
 class CudaGraphBackend(EagerBackend):
@@ -86,6 +109,8 @@ class CudaGraphBackend(EagerBackend):
         self._row_index = torch.arange(BATCH_BUCKETS[-1], device=self.device)
         self._cos = self._sin = torch.empty(0)
         self.steps_by_bucket: Counter[int] = Counter()  # static steps run, per batch bucket
+        self.attention_variants: tuple[str, ...] = DECODE_ATTENTION  # the forms tried (tests narrow it)
+        self.attention_choice: dict[tuple[int, int], dict[str, float]] = {}  # (bucket, span) -> ms per form
         self.report.whole_step = True
         self.report.notes.append("cuda-graph: static KV rows, a step per batch bucket "
                                  f"{'/'.join(map(str, BATCH_BUCKETS))} and key span, "
@@ -144,7 +169,7 @@ class CudaGraphBackend(EagerBackend):
             captured.graph.replay()
             logits = captured.logits  # (bucket, 1, vocab)
         else:
-            logits = self._forward(bucket, span)
+            logits = self._forward(bucket, span, self._variants(span)[0])
         return logits.index_select(0, torch.tensor(slots, device=logits.device))  # (B, 1, vocab), batch order
 
     def _static_rows(self, cache: KVCache | BatchedCaches) -> list[StaticSlotCache] | None:
@@ -167,9 +192,14 @@ class CudaGraphBackend(EagerBackend):
         self._padding[LENGTHS] = 1
         self._generation = pool.generation
 
-    def _forward(self, bucket: int, span: int) -> torch.Tensor:
-        """The static step over the pool's first ``bucket`` rows and ``span`` key columns: reads
-        only ``self._inputs`` and the pool, returns float32 logits (bucket, 1, vocab)."""
+    def _variants(self, span: int) -> list[str]:
+        """The attention forms that apply to ``span`` keys, in preference order."""
+        return [v for v in self.attention_variants if v != "split" or split_chunk(span) is not None]
+
+    def _forward(self, bucket: int, span: int, attention: str) -> torch.Tensor:
+        """The static step over the pool's first ``bucket`` rows and ``span`` key columns, its
+        attention in form ``attention``: reads only ``self._inputs`` and the pool, returns float32
+        logits (bucket, 1, vocab)."""
         model, pool = self.model, self.pool
         inputs = self._inputs[:, :bucket]
         ids, positions, columns, lengths = inputs[IDS], inputs[POSITIONS], inputs[COLUMNS], inputs[LENGTHS]
@@ -182,28 +212,47 @@ class CudaGraphBackend(EagerBackend):
             keys, values = pool.keys[layer.self_attn.layer_idx], pool.values[layer.self_attn.layer_idx]
             keys[rows, :, columns] = k[:, :, 0]  # (bucket, Hkv, D): each row's new column (padding: scratch)
             values[rows, :, columns] = v[:, :, 0]
-            attn = length_masked_decode_attention(q, keys[:bucket, :, :span], values[:bucket, :, :span], lengths)
+            attn = static_decode_attention(attention, q, keys[:bucket, :, :span], values[:bucket, :, :span], lengths)
             x = layer.attention_outputs(x, attn)  # (bucket, 1, hidden)
         return model.head(model.final_norm(x))  # (bucket, 1, vocab)
 
     def _captured(self, bucket: int, span: int) -> CapturedStep:
-        """The step of ``(bucket, span)`` as a CUDA graph, captured on first use.
+        """The step of ``(bucket, span)`` as a CUDA graph, captured on first use: one graph per
+        applicable attention form, each replayed :data:`TIMED_REPLAYS` times, the fastest kept.
 
-        Warm-up and capture run with every row padded, so their writes land in scratch columns.
+        Warm-up, capture and timing run with every row padded, so their writes land in scratch
+        columns.
         """
         captured = self._graphs.get((bucket, span))
         if captured is not None:
             return captured
         self._inputs[:, :bucket].copy_(self._padding[:, :bucket])
+        candidates = [self._capture(bucket, span, variant) for variant in self._variants(span)]
+        timings = {c.attention: self._replay_ms(c) for c in candidates} if len(candidates) > 1 else {}
+        captured = min(candidates, key=lambda c: timings.get(c.attention, 0.0))
+        self.attention_choice[(bucket, span)] = timings or {captured.attention: float("nan")}
+        self._graphs[(bucket, span)] = captured
+        return captured
+
+    def _capture(self, bucket: int, span: int, attention: str) -> CapturedStep:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._forward(bucket, span)  # lazy initialisations (cuBLAS handles, kernels) outside the capture
+            self._forward(bucket, span, attention)  # lazy initialisations (cuBLAS handles) outside the capture
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._forward(bucket, span)
-        captured = CapturedStep(graph, logits)
-        self._graphs[(bucket, span)] = captured
-        return captured
+            logits = self._forward(bucket, span, attention)
+        return CapturedStep(graph, logits, attention)
+
+    def _replay_ms(self, captured: CapturedStep) -> float:
+        """Milliseconds of one replay of ``captured`` (the mean of :data:`TIMED_REPLAYS`, after one)."""
+        captured.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(TIMED_REPLAYS):
+            captured.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / TIMED_REPLAYS
