@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda", help="cuda (the point), or cpu for a smoke run")
-    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--prefill-chunk", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--backends", default="eager,cuda-graph")

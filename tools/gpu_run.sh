@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(setup test bench tiered profile)
 bench=(hybridllm bench --random-weights "$CONFIG" --device cuda --dtype bfloat16 --new-tokens "$NEW_TOKENS"
-       --repeat 3 --prefill-chunk 2048)  # 3: the median skips a run that captured a new key span
+       --repeat 3 --prefill-chunk 8192)  # 3: the median skips a run that captured a new key span
 failed=0
 
 run() {  # run NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, its status noted
