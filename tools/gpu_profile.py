@@ -76,8 +76,9 @@ def run_backend(args: argparse.Namespace, backend: str, bandwidth_gbs: float | N
         "limit_fraction": (1 / step_s) / limit if limit else None,
         "notes": llm.runner.report.notes,
     }
-    if isinstance(llm.runner.backend, CudaGraphBackend):  # ms per replay of each attention form tried
-        record["attention_choice"] = {f"bucket {b}, span {s}": t for (b, s), t in llm.runner.backend.attention_choice.items()}
+    backend = llm.runner.backend
+    if isinstance(backend, CudaGraphBackend):  # ms per replay of each attention form tried
+        record["attention_choice"] = {f"bucket {b}, span {s}": t for (b, s), t in backend.attention_choice.items()}
     print(json.dumps(record))
     del llm, cache
     if device.type == "cuda":

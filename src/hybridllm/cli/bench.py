@@ -188,7 +188,8 @@ def bench(
         report.print_speed(rows, device_bandwidth_gbs, bandwidth_label="device memory bandwidth")
     recorded = {**settings, "preset": preset, "timeout_s": timeout, "threads": threads, "device": device,
                 "dtype": model.dtype, "kv_options": kv_options, "llm_options": llm_options, "weights": weights,
-                "host_read_gbs": bandwidth_gbs, "device_bandwidth_gbs": device_bandwidth_gbs, "command": shlex.join(["hybridllm", *sys.argv[1:]]),
+                "host_read_gbs": bandwidth_gbs, "device_bandwidth_gbs": device_bandwidth_gbs,
+                "command": shlex.join(["hybridllm", *sys.argv[1:]]),
                 "started": started.isoformat(timespec="seconds"), "load_average": [load_start, os.getloadavg()[0]]}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
