@@ -116,8 +116,8 @@ def test_auto_picks_native_for_host_layers_and_eager_for_a_device():
 def test_unknown_backend_is_a_config_error_listing_the_names(tiny_models):
     from hybridllm import LLM
 
-    with pytest.raises(ConfigError, match="auto, eager, compiled, native"):
-        build_runner(_tiny_model(), Placement.all_on_device(3), TierDevices(CPU), "cuda-graph")
+    with pytest.raises(ConfigError, match="auto, eager, compiled, native, cuda-graph"):
+        build_runner(_tiny_model(), Placement.all_on_device(3), TierDevices(CPU), "tensorrt")
     with pytest.raises(ConfigError, match="unknown decode backend 'fast'"):
         LLM(str(tiny_models["llama"][1]), decode_backend="fast")
 

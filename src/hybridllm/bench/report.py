@@ -287,10 +287,11 @@ def speed_table(records: Sequence[dict[str, Any]]) -> list[list[str]]:
     ] for r in records]
 
 
-def print_speed(rows: Sequence[dict[str, Any]], bandwidth_gbs: float | None, console: Console | None = None) -> None:
+def print_speed(rows: Sequence[dict[str, Any]], bandwidth_gbs: float | None, console: Console | None = None,
+                bandwidth_label: str = "host read bandwidth") -> None:
     title = "speed: ratio to llama.cpp and fraction of the bandwidth limit"
     if bandwidth_gbs:
-        title += f" (host read bandwidth {bandwidth_gbs:.1f} GB/s)"
+        title += f" ({bandwidth_label} {bandwidth_gbs:.1f} GB/s)"
     print_table(SPEED_HEADERS, speed_table(speed_records(rows, bandwidth_gbs)), title=title, console=console)
 
 

@@ -174,15 +174,22 @@ def bench(
                                       "kv_options": kv_options})
     if preset == "paper":
         report.print_table(report.PAPER_HEADERS, report.paper_records(rows), title="the study's layout")
-    bandwidth_gbs = None
+    bandwidth_gbs = device_bandwidth_gbs = None
     if preset == "speed":
         from hybridllm.hardware import measure_host_bandwidth
 
         bandwidth_gbs = measure_host_bandwidth(threads=threads)["read"]  # after the sweep: nothing else runs
         report.print_speed(rows, bandwidth_gbs)
+    elif device.startswith("cuda"):  # on a GPU every run reports bytes per token against the device's bandwidth
+        from hybridllm.hardware import measure_gpu
+
+        gpu = measure_gpu(int(device.split(":")[1]) if ":" in device else 0)
+        device_bandwidth_gbs = gpu.bandwidth_gbs if gpu is not None else None
+        report.print_speed(rows, device_bandwidth_gbs, bandwidth_label="device memory bandwidth")
     recorded = {**settings, "preset": preset, "timeout_s": timeout, "threads": threads, "device": device,
                 "dtype": model.dtype, "kv_options": kv_options, "llm_options": llm_options, "weights": weights,
-                "host_read_gbs": bandwidth_gbs, "command": shlex.join(["hybridllm", *sys.argv[1:]]),
+                "host_read_gbs": bandwidth_gbs, "device_bandwidth_gbs": device_bandwidth_gbs,
+                "command": shlex.join(["hybridllm", *sys.argv[1:]]),
                 "started": started.isoformat(timespec="seconds"), "load_average": [load_start, os.getloadavg()[0]]}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
@@ -194,6 +201,8 @@ def bench(
             text = report.paper_markdown(rows) + "\n\n" + text
         if preset == "speed":
             text = report.speed_markdown(rows, bandwidth_gbs) + "\n\n" + text
+        if device_bandwidth_gbs:
+            text = report.speed_markdown(rows, device_bandwidth_gbs) + "\n\n" + text
         if preset == "peers":
             text = peers_report.section(rows, report.machine_info(), recorded)
         if preset == "kv":

@@ -51,7 +51,7 @@ KVThreshold = Annotated[float, typer.Option("--kv-threshold", help="Share (0-1] 
 Fuse = Annotated[bool, typer.Option("--fuse/--no-fuse", help="Stack q/k/v and gate/up into one projection each (fewer operator calls per token).", rich_help_panel=SPEED_PANEL)]
 NativeDecode = Annotated[bool, typer.Option("--native-decode/--no-native-decode", help="Decode host layers with the native C++ kernels (one call per token; built once with the host's C++ compiler).", rich_help_panel=SPEED_PANEL)]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the decode step's dense parts (compile time counts in the cold start).", rich_help_panel=SPEED_PANEL)]
-DecodeBackend = Annotated[str, typer.Option("--decode-backend", help="Decode step backend: auto (chosen from --native-decode and --compile), eager, compiled or native.", rich_help_panel=SPEED_PANEL)]
+DecodeBackend = Annotated[str, typer.Option("--decode-backend", help="Decode step backend: auto (chosen from --native-decode and --compile), eager, compiled, native or cuda-graph (static KV, a CUDA graph per batch bucket; all on the device, dense KV).", rich_help_panel=SPEED_PANEL)]
 
 
 # ---- groups -----------------------------------------------------------------------------------

@@ -4,6 +4,16 @@
 heads folded into the query axis so K/V are never repeated). ``partial_attention`` returns the
 output together with its log-sum-exp so that results over disjoint key sets (e.g. a hot window
 on the device and cold pages on the host) can be merged exactly by ``merge_partials``.
+
+Attention by phase (``causal_attention``): a prefill chunk with no past is SDPA with
+``is_causal=True`` (no mask: the flash kernels apply); a chunk with a past is causal with
+lower-right alignment, expressed as such on CUDA (``causal_lower_right``: flash with GQA, no
+(T, S) mask) and on the CPU split into "the past, fully visible" + "the new block, causal" merged
+by log-sum-exp (the fused CPU kernel returns it; only a (T, T) mask is built); a decode step
+(one query) needs no mask. On CUDA the SDPA backends are named (flash, then memory-efficient,
+then math): PyTorch otherwise picks cuDNN at q_len 1, the slowest choice in the issue's profile.
+``split_kv_attention`` is flash-decoding in PyTorch: the keys in chunks, each chunk's partial
+and log-sum-exp merged, the merged log-sum-exp returned for a further (tier) merge.
 """
 
 from __future__ import annotations
@@ -14,6 +24,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+# The SDPA backends allowed on CUDA, in PyTorch's order of preference: flash (bf16/fp16, no mask),
+# memory-efficient (any mask), math (last resort, never raises). cuDNN is left out: at q_len 1 it
+# took 73% of a decode step's CPU time on the issue's H100 profile.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def causal_mask(n_queries: int, n_keys: int, query_start: int, device: torch.device) -> torch.Tensor:
@@ -33,14 +51,132 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
         (B, H, T, D).
     """
     batch, n_heads, n_queries, head_dim = q.shape
-    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    n_kv_heads = k.shape[1]
     groups = n_heads // n_kv_heads
-    q_grouped = q.reshape(batch, n_kv_heads, groups * n_queries, head_dim)  # (B, Hkv, G*T, D)
-    mask = None
-    if n_queries > 1:
-        mask = causal_mask(n_queries, n_keys, query_start, q.device).repeat(groups, 1)  # (G*T, S)
-    out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
-    return out.reshape(batch, n_heads, n_queries, head_dim)
+    if n_queries == 1:  # decode: one query sees every key, no mask
+        q_grouped = q.reshape(batch, n_kv_heads, groups, head_dim)  # (B, Hkv, G, D)
+        out = sdpa(q_grouped, k, v)  # (B, Hkv, G, D)
+        return out.reshape(batch, n_heads, 1, head_dim)
+    if query_start == 0:  # prefill with no past: causal as such (the flash kernels apply)
+        return sdpa(q, k, v, is_causal=True, enable_gqa=groups > 1)  # (B, H, T, D)
+    if q.device.type == "cuda":  # chunked prefill: lower-right causal, no (T, S) mask
+        return lower_right_causal_attention(q, k, v)
+    return split_causal_attention(q, k, v, query_start).to(q.dtype)
+
+
+def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last T positions over S keys through ``causal_lower_right``.
+
+    PyTorch runs it in the flash kernel (grouped-query heads native), else in the memory-efficient
+    one, which takes equal head counts: K/V heads are repeated only where flash does not apply
+    (float32, old GPUs). q: (B, H, T, D); k, v: (B, Hkv, S, D). Returns (B, H, T, D).
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True)):
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, S, D)
+    return sdpa(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]), enable_gqa=groups > 1)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with the CUDA backends named (:data:`CUDA_SDPA_BACKENDS`);
+    on other devices PyTorch's own choice, as before."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **options)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **options)
+
+
+def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int) -> torch.Tensor:
+    """Chunked-prefill attention without a (T, S) mask: the past keys (every query sees them all)
+    and the new block (causal, a (T, T) mask) as two partials merged by log-sum-exp.
+
+    Args:
+        q: (B, H, T, D) at positions ``query_start ..``; k, v: (B, Hkv, query_start + T, D).
+    Returns:
+        (B, H, T, D) float32.
+    """
+    n_queries = q.shape[2]
+    past = partial_attention(q, k[:, :, :query_start], v[:, :, :query_start])
+    block = causal_mask(n_queries, n_queries, 0, q.device)  # (T, T): the new tokens among themselves
+    new = partial_attention(q, k[:, :, query_start:], v[:, :, query_start:], block)
+    return merge_partials([past, new])
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-decoding in PyTorch: attention of ``q`` over every key, the keys split in chunks of
+    ``chunk_tokens``, each chunk's partial output and log-sum-exp merged exactly.
+
+    Args:
+        q: (B, H, T, D) (every query sees every key); k, v: (B, Hkv, S, D).
+        chunk_tokens: keys per chunk (> 0).
+    Returns:
+        out (B, H, T, D) and lse (B, H, T), float32: the lse is the whole key set's, so the result
+        merges with other key sets (another tier's) by :func:`merge_partials`.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    parts = [partial_attention(q, k[:, :, s:s + chunk_tokens], v[:, :, s:s + chunk_tokens])
+             for s in range(0, k.shape[2], chunk_tokens)]
+    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)  # (B, H, T)
+    return merge_partials(parts), lse
+
+
+def length_masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                   lengths: torch.Tensor) -> torch.Tensor:
+    """One query per row over a static buffer whose rows hold ``lengths`` valid keys each.
+
+    The mask is built from the tensor ``lengths`` on its device (no host sync, no branch on data:
+    the step can be captured in a CUDA graph).
+
+    Args:
+        q: (B, H, 1, D); k, v: (B, Hkv, S, D) (a view of the buffer); lengths: (B,) int64,
+            each in 1..S (keys 0 .. length - 1 are visible).
+    Returns:
+        (B, H, 1, D).
+    """
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    q_grouped = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim)  # (B, Hkv, G, D)
+    key_index = torch.arange(n_keys, device=lengths.device)  # (S,)
+    visible = (key_index[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    out = sdpa(q_grouped, k, v, attn_mask=visible)  # (B, Hkv, G, D)
+    return out.reshape(batch, n_heads, 1, head_dim)
+
+
+def split_kv_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                              chunk_tokens: int) -> torch.Tensor:
+    """:func:`length_masked_decode_attention` split along the keys (flash-decoding, for a graph).
+
+    One SDPA call over a long buffer runs in few thread blocks at q_len 1 (batch x KV heads);
+    here every ``chunk_tokens`` keys are a batch of the two products, so the reads of K and V
+    spread over many blocks, and the chunks' partials merge by log-sum-exp. No host sync, no
+    branch on data. The products run in the buffer's dtype (no float32 copy of K or V), the
+    softmax and the merge in float32.
+
+    Args:
+        q: (B, H, 1, D); k, v: (B, Hkv, S, D) with S a multiple of ``chunk_tokens``;
+            lengths: (B,) int64 in 1..S.
+    Returns:
+        (B, H, 1, D) in q's dtype.
+    """
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    groups, n_chunks = n_heads // n_kv_heads, n_keys // chunk_tokens
+    q5 = q.reshape(batch, n_kv_heads, 1, groups, head_dim)  # (B, Hkv, 1, G, D)
+    k5 = k.reshape(batch, n_kv_heads, n_chunks, chunk_tokens, head_dim)  # (B, Hkv, C, chunk, D)
+    v5 = v.reshape(batch, n_kv_heads, n_chunks, chunk_tokens, head_dim)
+    scores = torch.matmul(q5, k5.transpose(-1, -2)).float() / math.sqrt(head_dim)  # (B, Hkv, C, G, chunk)
+    key_index = torch.arange(n_keys, device=lengths.device).reshape(n_chunks, 1, chunk_tokens)  # (C, 1, chunk)
+    visible = key_index[None, None] < lengths[:, None, None, None, None]  # (B, 1, C, 1, chunk)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    chunk_max = scores.amax(dim=-1, keepdim=True)  # (B, Hkv, C, G, 1); -inf for a chunk past the row's length
+    weights = torch.exp(scores - torch.where(torch.isfinite(chunk_max), chunk_max, torch.zeros_like(chunk_max)))
+    sums = weights.sum(dim=-1, keepdim=True)  # (B, Hkv, C, G, 1)
+    outs = torch.matmul(weights.to(v.dtype), v5).float()  # (B, Hkv, C, G, D), unnormalized
+    scale = torch.exp(chunk_max - chunk_max.amax(dim=2, keepdim=True))  # (B, Hkv, C, G, 1); 0 for empty chunks
+    out = (scale * outs).sum(dim=2) / (scale * sums).sum(dim=2)  # (B, Hkv, G, D)
+    return out.reshape(batch, n_heads, 1, head_dim).to(q.dtype)
 
 
 def partial_attention(

@@ -178,5 +178,6 @@ def build_runner(model: LlamaForCausalLM, placement: Placement, devices: TierDev
         notes.append(f"native decode unavailable: {exc}")
         chosen = "eager"
         built = backend_class(chosen)(model)
+    built.check_placement(placement)
     report = RunnerReport(chosen, backend, time.perf_counter() - t0, built.report, notes + built.report.notes)
     return ModelRunner(model, placement, devices, built, report)

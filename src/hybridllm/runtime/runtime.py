@@ -93,9 +93,13 @@ class Runtime:
         return MemoryLedger({"device": device_budget, "host": host_budget}, threshold=self.kv_config.kv_threshold)
 
     def new_cache(self, ledger: MemoryLedger | None = None) -> KVCache:
-        """An empty KV cache following the KV policy, accounted in ``ledger`` (None: a fresh one)."""
-        return create_cache(self.kv_config, self.kv_spec(), ledger if ledger is not None else self.kv_ledger(),
-                            layer_tiers=self.placement.layer_tiers)
+        """An empty KV cache following the KV policy, accounted in ``ledger`` (None: a fresh one); the
+        decode backend's own cache where its step needs one (``cuda-graph``: a static row)."""
+        spec, ledger = self.kv_spec(), ledger if ledger is not None else self.kv_ledger()
+        own = self.runner.backend.new_cache(spec, ledger)
+        if own is not None:
+            return own
+        return create_cache(self.kv_config, spec, ledger, layer_tiers=self.placement.layer_tiers)
 
     def new_host_cache(self, ledger: MemoryLedger | None = None) -> DynamicCache:
         """An empty cache with every layer's KV in host RAM (where decoding continues after

@@ -10,6 +10,7 @@ from hybridllm.errors import ConfigError
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.runtime.backends.base import BackendReport, DecodeBackend
 from hybridllm.runtime.backends.compiled import CompiledBackend
+from hybridllm.runtime.backends.cuda_graph import CudaGraphBackend
 from hybridllm.runtime.backends.eager import EagerBackend
 from hybridllm.runtime.backends.native import NativeBackend
 
@@ -17,6 +18,7 @@ BACKENDS: dict[str, Callable[[LlamaForCausalLM], DecodeBackend]] = {
     "eager": EagerBackend,
     "compiled": CompiledBackend,
     "native": NativeBackend,
+    "cuda-graph": CudaGraphBackend,
 }
 AUTO = "auto"
 

@@ -12,8 +12,9 @@ from typing import Protocol
 
 import torch
 
-from hybridllm.kvcache.base import KVCache
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.models.llama import DecoderLayer
+from hybridllm.placement.placement import Placement
 
 
 @dataclass
@@ -75,4 +76,13 @@ class DecodeBackend(Protocol):
     def reads_copy(self, layer_idx: int) -> bool:
         """Whether the layer's decode step reads the backend's copy instead of the model's packed
         quantized weights (what one decode step reads: ``placement.apply.decode_weight_bytes``)."""
+        ...
+
+    def check_placement(self, placement: Placement) -> None:
+        """Raise ConfigError (one line: what it supports) when the backend cannot serve ``placement``."""
+        ...
+
+    def new_cache(self, spec: KVSpec, ledger: MemoryLedger) -> KVCache | None:
+        """A sequence's KV cache when the backend's step needs its own (static buffers), else None:
+        the KV policy's cache (``kvcache.factory.create_cache``)."""
         ...

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridllm.kvcache.base import KVCache
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.models.llama import DecoderLayer, LlamaForCausalLM
+from hybridllm.placement.placement import Placement
 from hybridllm.runtime.backends.base import BackendReport
 
 
@@ -35,3 +36,9 @@ class EagerBackend:
 
     def reads_copy(self, layer_idx: int) -> bool:
         return False
+
+    def check_placement(self, placement: Placement) -> None:
+        return None  # the model's own layers serve every placement
+
+    def new_cache(self, spec: KVSpec, ledger: MemoryLedger) -> KVCache | None:
+        return None

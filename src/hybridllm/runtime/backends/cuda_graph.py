@@ -1,0 +1,258 @@
+"""The ``cuda-graph`` backend: a decode step over static KV buffers, captured once per batch bucket.
+
+A decode step on a GPU is launch-bound when every kernel is issued from Python (the issue's
+H100 profile: ~460 launches per token). Here the whole step (embedding, every layer, the head)
+reads and writes only fixed tensors: the sequences' KV in the rows of one
+:class:`~hybridllm.kvcache.static.StaticKVPool`, and a (4, 64) int64 input block (token ids,
+positions, the column each row writes, the keys each row sees). Nothing in the step syncs with
+the host or branches on data, so on CUDA it is captured once per (batch bucket, key span) with
+``torch.cuda.CUDAGraph`` and replayed; on the CPU the very same step runs eagerly.
+
+- Batch buckets (:data:`BATCH_BUCKETS`): a batch decodes over the pool's first ``bucket`` rows,
+  the next bucket above its highest row. Rows of the bucket that are not in the batch (free rows,
+  sequences still in prefill) are padding: they write into the pool's scratch column and see one
+  key, so no real sequence's KV is touched.
+- Key span: the step attends over the first ``span`` columns, the next power of two above the
+  longest row (at least :data:`MIN_KEY_SPAN`), so a 4K sequence in a 32K pool reads 4-8K keys,
+  not 32K (a graph per span: the attention's shape is part of the graph).
+- The pool grows (rows, capacity) by reallocation; graphs over the old buffers are dropped and
+  captured again on next use (``generation``).
+- Decode attention by measurement: each (bucket, span) is captured with every applicable form of
+  the static attention (:data:`DECODE_ATTENTION`: one SDPA call with a length mask, or the keys
+  split in chunks, flash-decoding style), each graph is replayed a few times, and the faster one
+  is kept (``attention_choice`` records the timings). On the CPU the first form applies.
+
+Placement: every layer, the embedding and the head on the device, dense KV (``dynamic``),
+decoding on the device (:meth:`CudaGraphBackend.check_placement`). The runtime asks the backend
+for its caches (:meth:`CudaGraphBackend.new_cache`): a :class:`~hybridllm.kvcache.static.StaticSlotCache`
+per sequence. Prefill chunks run the model's own code over the sequence's row.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from hybridllm.errors import ConfigError
+from hybridllm.kvcache.attention import length_masked_decode_attention, split_kv_decode_attention
+from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.batch import BatchedCaches
+from hybridllm.kvcache.static import StaticKVPool, StaticSlotCache
+from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.placement.placement import Placement
+from hybridllm.runtime.backends.eager import EagerBackend
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_KEY_SPAN = 256
+DENSE_STRATEGIES = ("dynamic",)
+
+# rows of the input block the static step reads, each (max bucket,) int64
+IDS, POSITIONS, COLUMNS, LENGTHS = range(4)
+# the forms of the static step's attention, tried in this order (the first one serves the CPU)
+DECODE_ATTENTION = ("sdpa", "split")
+SPLIT_CHUNKS = (256, 128, 64)  # keys per chunk of the split form: the first that divides the span
+TIMED_REPLAYS = 3
+
+
+def batch_bucket(rows: int) -> int | None:
+    """The smallest bucket holding ``rows`` rows (None: more than the largest bucket)."""
+    return next((bucket for bucket in BATCH_BUCKETS if bucket >= rows), None)
+
+
+def key_span(longest: int, capacity: int) -> int:
+    """Keys a step attends over: the next power of two >= ``longest`` (at least
+    :data:`MIN_KEY_SPAN`), at most the pool's capacity."""
+    return min(capacity, max(MIN_KEY_SPAN, 1 << (longest - 1).bit_length()))
+
+
+def split_chunk(span: int) -> int | None:
+    """Keys per chunk of the split attention over ``span`` keys (None: no chunk size divides it)."""
+    return next((chunk for chunk in SPLIT_CHUNKS if span % chunk == 0), None)
+
+
+def static_decode_attention(variant: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            lengths: torch.Tensor) -> torch.Tensor:
+    """The static step's attention in form ``variant`` ("sdpa" or "split"): q (B, H, 1, D) over
+    keys/values (B, Hkv, span, D) with ``lengths`` (B,) visible keys per row -> (B, H, 1, D)."""
+    if variant == "split":
+        return split_kv_decode_attention(q, keys, values, lengths, split_chunk(keys.shape[2]))
+    return length_masked_decode_attention(q, keys, values, lengths)
+
+
+@dataclass
+class CapturedStep:
+    """A captured decode step, its static output (bucket, 1, vocab) and its attention form."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    attention: str
+
+
+class CudaGraphBackend(EagerBackend):
+    """Decode steps over static KV buffers, replayed from CUDA graphs (eager on the CPU)."""
+
+    name = "cuda-graph"
+    compiles_lazily = True  # the first steps capture graphs: the build's warm-up captures bucket 1
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        super().__init__(model)
+        self.device = model.lm_head.weight.device
+        self.captures = self.device.type == "cuda"
+        self.pool: StaticKVPool | None = None
+        self._generation = -1
+        self._graphs: dict[tuple[int, int], CapturedStep] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.captures else None
+        self._inputs = torch.zeros(4, BATCH_BUCKETS[-1], dtype=torch.long, device=self.device)
+        self._padding = torch.zeros(4, BATCH_BUCKETS[-1], dtype=torch.long)
+        self._row_index = torch.arange(BATCH_BUCKETS[-1], device=self.device)
+        self._cos = self._sin = torch.empty(0)
+        self.steps_by_bucket: Counter[int] = Counter()  # static steps run, per batch bucket
+        self.attention_variants: tuple[str, ...] = DECODE_ATTENTION  # the forms tried (tests narrow it)
+        self.attention_choice: dict[tuple[int, int], dict[str, float]] = {}  # (bucket, span) -> ms per form
+        self.report.whole_step = True
+        self.report.notes.append("cuda-graph: static KV rows, a step per batch bucket "
+                                 f"{'/'.join(map(str, BATCH_BUCKETS))} and key span, "
+                                 + ("captured and replayed" if self.captures else "run eagerly (no CUDA)"))
+
+    # ---- build-time ----------------------------------------------------------------------
+    def check_placement(self, placement: Placement) -> None:
+        problems = []
+        if any(tier != "device" for tier in [*placement.layer_tiers, placement.embed_tier, placement.head_tier]):
+            problems.append("every layer, the embedding and the head on the device (no --n-gpu-layers split)")
+        if placement.kv.kv_cache not in DENSE_STRATEGIES:
+            problems.append(f"dense KV (--kv-cache {'/'.join(DENSE_STRATEGIES)}), not {placement.kv.kv_cache}")
+        if placement.decode_on != "device":
+            problems.append("decoding on the device (not --decode-on host)")
+        if problems:
+            raise ConfigError("the cuda-graph decode backend needs " + "; ".join(problems)
+                              + "; choose --decode-backend eager or compiled otherwise")
+
+    def new_cache(self, spec: KVSpec, ledger: MemoryLedger) -> KVCache:
+        """A sequence's cache: a row of the one pool every sequence of this model shares."""
+        if self.pool is None:
+            self.pool = StaticKVPool(spec)
+        elif self.pool.spec != spec:
+            raise ConfigError("the cuda-graph decode backend serves one KV shape per model")
+        return StaticSlotCache(spec, ledger, self.pool)
+
+    @property
+    def captured_keys(self) -> list[tuple[int, int]]:
+        """The (batch bucket, key span) steps captured over the pool's current buffers."""
+        return list(self._graphs)
+
+    # ---- the step ------------------------------------------------------------------------
+    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor | None:
+        rows = self._static_rows(cache)
+        if rows is None:
+            return None
+        pool = self.pool
+        slots = [row.slot() for row in rows]
+        bucket = batch_bucket(max(slots) + 1)
+        if bucket is None:  # more rows than the largest bucket: the eager walk serves it
+            return None
+        longest = max(row.seq_length for row in rows) + 1
+        pool.ensure_capacity(longest)
+        self._follow_pool()
+        step_inputs = self._padding[:, :bucket].clone()  # (4, bucket)
+        tokens = input_ids[:, 0].cpu()
+        for slot, row, token in zip(slots, rows, tokens):
+            position = row.advance_all()
+            step_inputs[:, slot] = torch.tensor([int(token), position, position, position + 1])
+        span = key_span(longest, pool.capacity)
+        self.steps_by_bucket[bucket] += 1
+        captured = self._captured(bucket, span) if self.captures else None
+        self._inputs[:, :bucket].copy_(step_inputs)
+        if captured is not None:
+            captured.graph.replay()
+            logits = captured.logits  # (bucket, 1, vocab)
+        else:
+            logits = self._forward(bucket, span, self._variants(span)[0])
+        return logits.index_select(0, torch.tensor(slots, device=logits.device))  # (B, 1, vocab), batch order
+
+    def _static_rows(self, cache: KVCache | BatchedCaches) -> list[StaticSlotCache] | None:
+        """The batch's slot caches when every row is one of this backend's, else None."""
+        caches = cache.caches if isinstance(cache, BatchedCaches) else [cache]
+        if self.pool is None or not all(isinstance(c, StaticSlotCache) and c.pool is self.pool for c in caches):
+            return None
+        return caches
+
+    def _follow_pool(self) -> None:
+        """After the pool reallocated: drop the graphs over the old buffers, rebuild the rotary
+        tables for the new capacity and the padding's scratch column."""
+        pool = self.pool
+        if pool.generation == self._generation:
+            return
+        self._graphs.clear()
+        cos, sin = self.model.rotary.cos_sin(torch.arange(pool.capacity)[None], self.model.compute_dtype)
+        self._cos, self._sin = cos[0, 0].to(self.device), sin[0, 0].to(self.device)  # (capacity, rotary_dim)
+        self._padding[COLUMNS] = pool.scratch_column
+        self._padding[LENGTHS] = 1
+        self._generation = pool.generation
+
+    def _variants(self, span: int) -> list[str]:
+        """The attention forms that apply to ``span`` keys, in preference order."""
+        return [v for v in self.attention_variants if v != "split" or split_chunk(span) is not None]
+
+    def _forward(self, bucket: int, span: int, attention: str) -> torch.Tensor:
+        """The static step over the pool's first ``bucket`` rows and ``span`` key columns, its
+        attention in form ``attention``: reads only ``self._inputs`` and the pool, returns float32
+        logits (bucket, 1, vocab)."""
+        model, pool = self.model, self.pool
+        inputs = self._inputs[:, :bucket]
+        ids, positions, columns, lengths = inputs[IDS], inputs[POSITIONS], inputs[COLUMNS], inputs[LENGTHS]
+        rows = self._row_index[:bucket]
+        x = model.embed(ids[:, None])  # (bucket, 1, hidden)
+        cos = self._cos[positions][:, None, None, :]  # (bucket, 1, 1, rotary_dim)
+        sin = self._sin[positions][:, None, None, :]
+        for layer in model.layers:
+            q, k, v = layer.attention_inputs(x, cos, sin)  # q (bucket, H, 1, D), k/v (bucket, Hkv, 1, D)
+            keys, values = pool.keys[layer.self_attn.layer_idx], pool.values[layer.self_attn.layer_idx]
+            keys[rows, :, columns] = k[:, :, 0]  # (bucket, Hkv, D): each row's new column (padding: scratch)
+            values[rows, :, columns] = v[:, :, 0]
+            attn = static_decode_attention(attention, q, keys[:bucket, :, :span], values[:bucket, :, :span], lengths)
+            x = layer.attention_outputs(x, attn)  # (bucket, 1, hidden)
+        return model.head(model.final_norm(x))  # (bucket, 1, vocab)
+
+    def _captured(self, bucket: int, span: int) -> CapturedStep:
+        """The step of ``(bucket, span)`` as a CUDA graph, captured on first use: one graph per
+        applicable attention form, each replayed :data:`TIMED_REPLAYS` times, the fastest kept.
+
+        Warm-up, capture and timing run with every row padded, so their writes land in scratch
+        columns.
+        """
+        captured = self._graphs.get((bucket, span))
+        if captured is not None:
+            return captured
+        self._inputs[:, :bucket].copy_(self._padding[:, :bucket])
+        candidates = [self._capture(bucket, span, variant) for variant in self._variants(span)]
+        timings = {c.attention: self._replay_ms(c) for c in candidates} if len(candidates) > 1 else {}
+        captured = min(candidates, key=lambda c: timings.get(c.attention, 0.0))
+        self.attention_choice[(bucket, span)] = timings or {captured.attention: float("nan")}
+        self._graphs[(bucket, span)] = captured
+        return captured
+
+    def _capture(self, bucket: int, span: int, attention: str) -> CapturedStep:
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._forward(bucket, span, attention)  # lazy initialisations (cuBLAS handles) outside the capture
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._forward(bucket, span, attention)
+        return CapturedStep(graph, logits, attention)
+
+    def _replay_ms(self, captured: CapturedStep) -> float:
+        """Milliseconds of one replay of ``captured`` (the mean of :data:`TIMED_REPLAYS`, after one)."""
+        captured.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(TIMED_REPLAYS):
+            captured.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / TIMED_REPLAYS

@@ -1,0 +1,284 @@
+"""The ``cuda-graph`` backend's static-buffer decode step and attention by phase.
+
+On the CPU (CI) the static step runs eagerly: it must give the eager backend's greedy tokens,
+alone and in a padded batch, without touching rows outside the batch. The ``cuda`` tests (a later
+GPU session runs them: ``pytest -m cuda``) check graph replay against eager, greedy parity with
+transformers on the GPU and that the named SDPA backends serve every phase.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridllm.config import KVConfig, SamplingParams
+from hybridllm.errors import ConfigError
+from hybridllm.kvcache.attention import (
+    causal_attention,
+    causal_mask,
+    length_masked_decode_attention,
+    lower_right_causal_attention,
+    split_kv_decode_attention,
+    reference_partial_attention,
+    split_causal_attention,
+    split_kv_attention,
+)
+from hybridllm.kvcache.base import KVSpec, MemoryLedger
+from hybridllm.kvcache.batch import BatchedCaches
+from hybridllm.kvcache.dynamic import DynamicCache
+from hybridllm.loading.loader import load_model
+from hybridllm.loading.registry import open_checkpoint
+from hybridllm.placement.apply import TierDevices
+from hybridllm.placement.placement import Placement
+from hybridllm.runtime.backends.cuda_graph import BATCH_BUCKETS, batch_bucket, key_span
+from hybridllm.runtime.runner import build_runner
+
+CPU = torch.device("cpu")
+PROMPT_LENGTHS = (5, 9, 13)
+
+
+# ---- attention by phase -------------------------------------------------------------------------
+def masked_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int) -> torch.Tensor:
+    """The former ``causal_attention``: GQA folded into the query axis, a materialized (G*T, S) mask."""
+    batch, n_heads, n_queries, head_dim = q.shape
+    groups = n_heads // k.shape[1]
+    q_grouped = q.reshape(batch, k.shape[1], groups * n_queries, head_dim)
+    mask = causal_mask(n_queries, k.shape[2], query_start, q.device).repeat(groups, 1)
+    return F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask).reshape(q.shape)
+
+
+def _qkv(n_tokens: int, device: torch.device = CPU, dtype: torch.dtype = torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 8, n_tokens, 16, generator=g)
+    k = torch.randn(2, 2, n_tokens, 16, generator=g)
+    v = torch.randn(2, 2, n_tokens, 16, generator=g)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 17, 40])
+def test_chunked_prefill_without_a_mask_equals_the_masked_result(chunk):
+    q, k, v = _qkv(40)
+    expected = masked_reference(q, k, v, 0)
+    outs = []
+    for start in range(0, 40, chunk):
+        end = min(40, start + chunk)
+        outs.append(causal_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], query_start=start))
+    torch.testing.assert_close(torch.cat(outs, dim=2), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_the_split_and_lower_right_forms_equal_the_mask():
+    q, k, v = _qkv(24)
+    new = q[:, :, 16:]  # a chunk of 8 at positions 16..23 over 24 keys
+    expected = masked_reference(new, k, v, 16)
+    torch.testing.assert_close(split_causal_attention(new, k, v, 16), expected, atol=2e-6, rtol=1e-5)
+    # the CUDA path's mask-free form (on the CPU PyTorch materializes it; the result must agree)
+    torch.testing.assert_close(lower_right_causal_attention(new, k, v), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 16, 64])
+def test_split_kv_decode_equals_the_unsplit_attention(chunk_tokens):
+    q, k, v = _qkv(37)
+    out, lse = split_kv_attention(q[:, :, :1], k, v, chunk_tokens)
+    ref_out, ref_lse = reference_partial_attention(q[:, :, :1], k, v)
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError):
+        split_kv_attention(q[:, :, :1], k, v, 0)
+
+
+def test_length_masked_decode_sees_each_rows_own_keys():
+    q, k, v = _qkv(20)
+    lengths = torch.tensor([7, 20])
+    out = length_masked_decode_attention(q[:, :, :1], k, v, lengths)
+    for row, length in enumerate(lengths.tolist()):
+        expected = causal_attention(q[row:row + 1, :, :1], k[row:row + 1, :, :length], v[row:row + 1, :, :length],
+                                    query_start=length - 1)
+        torch.testing.assert_close(out[row:row + 1], expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_tokens", [64, 128])
+def test_split_static_decode_equals_the_masked_sdpa(chunk_tokens):
+    q, k, v = _qkv(256)
+    lengths = torch.tensor([1, 200])  # a row that sees one key (whole chunks past its length)
+    torch.testing.assert_close(split_kv_decode_attention(q[:, :, :1], k, v, lengths, chunk_tokens),
+                               length_masked_decode_attention(q[:, :, :1], k, v, lengths), atol=2e-6, rtol=1e-5)
+
+
+def test_buckets_and_spans():
+    assert BATCH_BUCKETS == (1, 2, 4, 8, 16, 32, 64)
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 33, 64, 65)] == [1, 2, 4, 4, 8, 64, 64, None]
+    assert key_span(10, 4096) == 256 and key_span(257, 4096) == 512 and key_span(3000, 2048) == 2048
+
+
+# ---- the static-buffer decode step on the CPU ----------------------------------------------------
+def _model(tiny_models, arch: str = "llama3", device: torch.device = CPU, dtype: torch.dtype = torch.float32):
+    return load_model(open_checkpoint(tiny_models[arch][0]), dtype, lambda name: device)
+
+
+def _spec(config, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> KVSpec:
+    return KVSpec(config.n_layers, config.n_kv_heads, config.head_dim, dtype, device,
+                  max_tokens=config.max_position_embeddings)
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def _eager_greedy(model, prompt: list[int], steps: int, device: torch.device = CPU) -> list[int]:
+    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(device), "eager")
+    cache = DynamicCache(_spec(model.config, device, model.compute_dtype), page_size=16)
+    with torch.inference_mode():
+        logits = runner(torch.tensor([prompt]), cache, 0)
+        tokens = [int(logits[0, -1].argmax())]
+        for _ in range(steps - 1):
+            logits = runner(torch.tensor([tokens[-1:]]), cache, cache.seq_length)
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+def _static_greedy(model, prompts: list[list[int]], steps: int, device: torch.device = CPU,
+                   bystander: list[int] | None = None, attention: str | None = None):
+    """Greedy tokens of ``prompts`` decoded as one batch through the cuda-graph backend; a
+    ``bystander`` prompt is prefilled into a row inside the bucket but never decoded;
+    ``attention`` narrows the static attention to one form."""
+    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(device), "cuda-graph")
+    backend = runner.backend
+    if attention is not None:
+        backend.attention_variants = (attention,)
+    ledger = MemoryLedger()
+    spec = _spec(model.config, device, model.compute_dtype)
+    caches = [backend.new_cache(spec, ledger) for _ in prompts]
+    with torch.inference_mode():
+        firsts = [int(runner(torch.tensor([p]), c, 0)[0, -1].argmax()) for p, c in zip(prompts, caches)]
+        side = None
+        if bystander is not None:
+            side = backend.new_cache(spec, ledger)
+            runner(torch.tensor([bystander]), side, 0)
+        before = [tuple(t.clone() for t in side.read_layer(i)) for i in range(spec.n_layers)] if side else None
+        tokens = [[t] for t in firsts]
+        batch = BatchedCaches(caches)
+        for _ in range(steps - 1):
+            ids = torch.tensor([[row[-1]] for row in tokens])  # (B, 1)
+            logits = runner(ids, batch, batch.start_positions())  # (B, 1, vocab)
+            for row, out in zip(tokens, logits):
+                row.append(int(out[-1].argmax()))
+    if side is not None:
+        for layer_idx, (keys, values) in enumerate(before):
+            now_keys, now_values = side.read_layer(layer_idx)
+            assert torch.equal(now_keys, keys) and torch.equal(now_values, values)
+    return tokens, backend
+
+
+def test_static_step_alone_gives_the_eager_tokens(tiny_models):
+    model = _model(tiny_models)
+    prompt = _prompts(model.config.vocab_size)[1]
+    tokens, backend = _static_greedy(model, [prompt], steps=10)
+    assert tokens[0] == _eager_greedy(model, prompt, steps=10)
+    assert backend.steps_by_bucket == {1: 9}  # every decode step ran the static step, bucket 1
+
+
+@pytest.mark.parametrize("arch, attention", [("llama3", "sdpa"), ("qwen3", "sdpa"), ("llama3", "split")])
+def test_a_batch_of_three_padded_to_four_gives_each_rows_eager_tokens(tiny_models, arch, attention):
+    model = _model(tiny_models, arch)
+    prompts = _prompts(model.config.vocab_size)
+    bystander = prompts[0][:3]  # a sequence in the fourth row of the bucket, never in the batch
+    tokens, backend = _static_greedy(model, prompts, steps=8, bystander=bystander, attention=attention)
+    assert tokens == [_eager_greedy(model, p, steps=8) for p in prompts]
+    assert backend.steps_by_bucket == {4: 7}
+
+
+def test_the_pool_grows_past_its_first_capacity(tiny_models):
+    model = _model(tiny_models)
+    prompt = _prompts(model.config.vocab_size)[2]
+    tokens, backend = _static_greedy(model, [prompt], steps=140)  # 13 + 140 tokens: past one 128-token page
+    assert backend.pool.capacity >= 13 + 140 and backend.pool.generation >= 2
+    assert tokens[0] == _eager_greedy(model, prompt, steps=140)
+
+
+def test_llm_generate_with_cuda_graph_equals_eager(tiny_models):
+    from hybridllm import LLM
+
+    path = tiny_models["llama3"][0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(320)
+    static, eager = LLM(path, device="cpu", decode_backend="cuda-graph"), LLM(path, device="cpu",
+                                                                              decode_backend="eager")
+    assert static.runner.report.backend == "cuda-graph"
+    static_ids = [r.token_ids for r in static.engine.generate_batch(prompts, [params] * 3)]
+    eager_ids = [r.token_ids for r in eager.engine.generate_batch(prompts, [params] * 3)]
+    assert static_ids == eager_ids
+    backend = static.runtime.runner.backend
+    assert backend.steps_by_bucket[4] > 0  # the loop's batch of three went through bucket 4
+    assert static.engine.scheduler.ledger.current("device") == 0  # every row given back
+    assert backend.pool.rows >= 3 and backend.pool.held_rows() == 0
+
+    forked = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)  # n: copies of the prompt's row
+    static_forks = [r.token_ids for r in static.generate_all(prompts[0], forked)]
+    assert static_forks == [r.token_ids for r in eager.generate_all(prompts[0], forked)]
+    assert static_forks[0] == static_forks[1]
+
+
+@pytest.mark.parametrize("placement, words", [
+    (Placement(["device", "host"], embed_tier="device", head_tier="host"), "on the device"),
+    (Placement(["device", "device"], kv=KVConfig(kv_cache="tiered")), "dense KV"),
+    (Placement(["device", "device"], decode_on="host"), "decoding on the device"),
+])
+def test_placements_it_cannot_serve_are_one_line_config_errors(tiny_models, placement, words):
+    model = _model(tiny_models)
+    with pytest.raises(ConfigError, match=words):
+        build_runner(model, placement, TierDevices(CPU), "cuda-graph")
+
+
+# ---- on a GPU (pytest -m cuda) -------------------------------------------------------------------
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention", [None, "sdpa", "split"])  # None: the faster form, chosen by timing
+@pytest.mark.parametrize("n_rows, bucket", [(1, 1), (3, 4)])
+def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, attention):
+    model = _model(tiny_models, device=CUDA, dtype=torch.float32)
+    prompts = _prompts(model.config.vocab_size)[:n_rows]
+    bystander = prompts[0][:3] if n_rows > 1 else None  # in the fourth row of bucket 4: must stay untouched
+    tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA, bystander=bystander, attention=attention)
+    assert backend.captures and backend.captured_keys  # the steps were replayed from captured graphs
+    assert all(set(timings) <= {"sdpa", "split"} for timings in backend.attention_choice.values())
+    assert {key[0] for key in backend.captured_keys} == {bucket}
+    assert tokens == [_eager_greedy(model, p, steps=12, device=CUDA) for p in prompts]
+    assert backend.steps_by_bucket == {bucket: 11}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend_name", ["eager", "cuda-graph"])
+def test_greedy_parity_with_transformers_on_the_gpu(tiny_models, backend_name):
+    from hybridllm import LLM
+
+    import copy
+
+    folder, _, hf_model = tiny_models["llama3"]
+    prompt = _prompts(320)[2]
+    hf = copy.deepcopy(hf_model).to(CUDA).eval()  # the session's CPU model stays as it is
+    with torch.inference_mode():
+        expected = hf.generate(torch.tensor([prompt], device=CUDA), max_new_tokens=16, min_new_tokens=16,
+                               do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(folder, device="cuda", decode_backend=backend_name, prefill_chunk=5)  # chunks: lower-right causal
+    result = llm.engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert result.token_ids == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sdpa_backend_choice_serves_every_phase(dtype):
+    q, k, v = _qkv(48, CUDA, dtype)
+    tolerance = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    full = masked_reference(q.float(), k.float(), v.float(), 0)
+    torch.testing.assert_close(causal_attention(q, k, v, 0).float(), full, **tolerance)  # prefill, no past
+    chunk = causal_attention(q[:, :, 32:], k, v, 32)  # chunked prefill: lower-right causal
+    torch.testing.assert_close(chunk.float(), full[:, :, 32:], **tolerance)
+    step = causal_attention(q[:, :, 47:], k, v, 47)  # decode: one query, no mask
+    torch.testing.assert_close(step.float(), full[:, :, 47:], **tolerance)
+    lengths = torch.tensor([48, 20], device=CUDA)
+    masked = length_masked_decode_attention(q[:, :, :1], k, v, lengths)
+    assert torch.isfinite(masked).all()

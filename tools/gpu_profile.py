@@ -1,0 +1,110 @@
+"""Time and profile decode steps on a GPU, one decode backend after another.
+
+    python tools/gpu_profile.py --random-weights configs/llama-3.2-1b.json --context 4096 \
+        --backends eager,cuda-graph --out $OUT/profile
+
+For each backend: builds ``LLM(RandomCheckpoint(config), device=cuda, dtype=bfloat16)``,
+prefills a random prompt of ``--context`` tokens on a cache of the runtime (the backend's own:
+static rows for ``cuda-graph``), times ``--steps`` greedy decode steps (CUDA-synchronized), then
+records ``--profile-steps`` more under ``torch.profiler`` (CPU + CUDA). Writes, per backend, a
+Chrome trace (``trace_<backend>.json``) and the top operators by CUDA time
+(``ops_<backend>.txt``), and prints one line per backend: ms/token, tok/s, kernel launches per
+token and, with the cache's ledger and the model's bytes, bytes read per token and the fraction
+of the device's measured bandwidth (``hybridllm.hardware.measure_gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hybridllm import LLM
+from hybridllm.hardware import measure_gpu
+from hybridllm.loading.random_checkpoint import RandomCheckpoint
+from hybridllm.runtime.backends.cuda_graph import CudaGraphBackend
+from hybridllm.timing import synchronize
+
+
+def decode_steps(llm: LLM, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
+    """``steps`` greedy decode steps; returns the last token (1, 1)."""
+    for _ in range(steps):
+        token = llm.runner(token, cache, cache.seq_length)[:, -1].argmax(-1, keepdim=True)
+    return token
+
+
+def run_backend(args: argparse.Namespace, backend: str, bandwidth_gbs: float | None, out: Path) -> dict:
+    llm = LLM(RandomCheckpoint(args.random_weights, args.dtype, seed=0), device=args.device, dtype=args.dtype,
+              decode_backend=backend)
+    device = llm.engine_config.torch_device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cache = llm.new_cache()
+    cache.reserve(args.context + args.steps + args.profile_steps + 8)
+    ids = torch.randint(0, min(llm.config.vocab_size, 20000), (1, args.context),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        for start in range(0, args.context, args.prefill_chunk):
+            logits = llm.runner(ids[:, start:start + args.prefill_chunk], cache, cache.seq_length)
+        synchronize(device)
+        prefill_s = time.perf_counter() - t0
+        token = decode_steps(llm, cache, logits[:, -1].argmax(-1, keepdim=True), 3)  # warm-up (and capture)
+        synchronize(device)
+        t0 = time.perf_counter()
+        token = decode_steps(llm, cache, token, args.steps)
+        synchronize(device)
+        step_s = (time.perf_counter() - t0) / args.steps
+        with profile(activities=activities) as prof:
+            decode_steps(llm, cache, token, args.profile_steps)
+            synchronize(device)
+    prof.export_chrome_trace(str(out / f"trace_{backend}.json"))
+    table = prof.key_averages().table(sort_by=f"{device.type}_time_total", row_limit=40)
+    (out / f"ops_{backend}.txt").write_text(table + "\n")
+    launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                      "cudaGraphLaunch", "cudaLaunchKernelExC"))
+    bytes_per_token = llm.decode_weight_bytes + cache.ledger.current("device")
+    limit = bandwidth_gbs * 1e9 / bytes_per_token if bandwidth_gbs else None
+    record = {
+        "backend": backend, "context": args.context, "dtype": args.dtype,
+        "prefill_tps": args.context / prefill_s, "decode_ms": 1000 * step_s, "decode_tps": 1 / step_s,
+        "launches_per_token": launches / args.profile_steps, "bytes_per_token": bytes_per_token,
+        "bandwidth_gbs": bandwidth_gbs, "limit_tps": limit,
+        "limit_fraction": (1 / step_s) / limit if limit else None,
+        "notes": llm.runner.report.notes,
+    }
+    backend = llm.runner.backend
+    if isinstance(backend, CudaGraphBackend):  # ms per replay of each attention form tried
+        record["attention_choice"] = {f"bucket {b}, span {s}": t for (b, s), t in backend.attention_choice.items()}
+    print(json.dumps(record))
+    del llm, cache
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--random-weights", required=True, help="a Hugging Face config.json")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda", help="cuda (the point), or cpu for a smoke run")
+    parser.add_argument("--prefill-chunk", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--backends", default="eager,cuda-graph")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = measure_gpu(0) if args.device.startswith("cuda") else None
+    bandwidth = gpu.bandwidth_gbs if gpu is not None else None
+    records = [run_backend(args, backend, bandwidth, args.out) for backend in args.backends.split(",")]
+    (args.out / f"decode_{args.context}.json").write_text(json.dumps({"gpu": gpu and gpu.name, "rows": records},
+                                                                      indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
