@@ -18,8 +18,9 @@ from hybridllm.errors import ConfigError
 INSTALL_HINT = "pip install 'hybridllm[ray]'"
 
 
-def wait_for_stop_signal() -> None:
-    """Block until SIGTERM or SIGINT; a second one raises KeyboardInterrupt (stop at once)."""
+def stop_on_signals() -> threading.Event:
+    """Handle SIGTERM and SIGINT from now on: the first sets the returned event (the server stops
+    once it is up), a second raises KeyboardInterrupt (stop at once, even while starting)."""
     stop = threading.Event()
 
     def handle(_sig: int, _frame: FrameType | None) -> None:
@@ -29,7 +30,7 @@ def wait_for_stop_signal() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handle)
-    stop.wait()
+    return stop
 
 
 def run_ray_server(llm_options: dict[str, Any], *, address: str | None, replicas: int, host: str, port: int,
@@ -59,7 +60,10 @@ def run_ray_server(llm_options: dict[str, Any], *, address: str | None, replicas
                     num_gpus=1.0 if on_gpu else 0.0, shutdown_grace_s=shutdown_grace)
     where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
     typer.echo(f"starting {replicas} engine replica(s) on {where} ...", err=True)
+    stop = stop_on_signals()
     with ray_serve(app, address=address, host=host, port=port):
-        typer.echo(f"serving on http://{host}:{port} ({replicas} replicas on Ray Serve, max batch {max_batch} "
-                   f"each)", err=True)
-        wait_for_stop_signal()
+        if not stop.is_set():
+            typer.echo(f"serving on http://{host}:{port} ({replicas} replicas on Ray Serve, max batch {max_batch} "
+                       f"each)", err=True)
+        stop.wait()
+    typer.echo("stopped", err=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 from collections.abc import Iterator
 
 import ray
@@ -13,7 +14,6 @@ from ray.serve import Application
 from hybridllm.errors import HybridLLMError
 
 APP_NAME = "hybridllm"
-LOOPBACK = "127.0.0.1"
 
 
 class RayServeError(HybridLLMError):
@@ -32,8 +32,8 @@ def ray_serve(app: Application, *, address: str | None, host: str, port: int) ->
     Args:
         app: the application (:func:`hybridllm.server.ray.build_app`).
         address: the cluster to join (``auto``: the one ``ray start`` runs on this machine,
-            ``HOST:6379``: a head node); None starts a local one-machine cluster on the loopback
-            interface (no dashboard), stopped at the end.
+            ``HOST:6379``: a head node); None starts a local one-machine cluster (no dashboard),
+            stopped at the end.
         host: the address Ray Serve's HTTP proxy binds.
         port: its port.
 
@@ -42,8 +42,10 @@ def ray_serve(app: Application, *, address: str | None, host: str, port: int) ->
             the application.
     """
     local = address is None
-    init_options = {"include_dashboard": False, "_node_ip_address": LOOPBACK} if local else {}
-    ray.init(address=address, logging_level=logging.WARNING, **init_options)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(address=address, logging_level=logging.WARNING, **({"include_dashboard": False} if local else {}))
+    for sig, handler in handlers.items():  # ray.init's SIGTERM handler would exit without stopping Serve
+        signal.signal(sig, handler)
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
