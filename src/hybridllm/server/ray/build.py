@@ -18,7 +18,7 @@ HEALTH_CHECK_TIMEOUT_S = 60.0  # a busy replica on few cores can be slow to answ
 
 
 def build_app(llm_options: dict[str, Any] | None = None, *, replicas: int = 2,
-              server: ServerOptions = ServerOptions(), num_cpus: float = 1.0, num_gpus: float = 0.0,
+              server: ServerOptions | None = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
               max_imbalance: int = DEFAULT_MAX_IMBALANCE, shutdown_grace_s: float = 30.0) -> Application:
     """The ``serve.run``-able application of ``replicas`` engines behind one ingress.
 
@@ -26,7 +26,8 @@ def build_app(llm_options: dict[str, Any] | None = None, *, replicas: int = 2,
         llm_options: ``LLM`` keyword arguments each replica builds its engine with (None: the
             default model with ``LLM``'s defaults).
         replicas: engine replicas, each its own deployment named ``engine-<id>``.
-        server: each replica's server options (batch, queue, KV host budget, API key ...).
+        server: each replica's server options (batch, queue, KV host budget, API key ...; None:
+            ``ServerOptions()``).
         num_cpus: CPUs Ray reserves for each replica (match ``threads``).
         num_gpus: GPUs Ray reserves for each replica (1 with ``device="cuda"``).
         max_imbalance: a request leaves its prefix's replica for the least loaded one when that
@@ -36,6 +37,7 @@ def build_app(llm_options: dict[str, Any] | None = None, *, replicas: int = 2,
     Raises:
         ConfigError: fewer than one replica, or negative resources.
     """
+    server = server if server is not None else ServerOptions()
     if replicas < 1:
         raise ConfigError(f"--replicas must be >= 1, got {replicas}")
     if num_cpus < 0 or num_gpus < 0:

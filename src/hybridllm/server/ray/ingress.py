@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from ray.exceptions import RayActorError, WorkerCrashedError
+from ray.exceptions import RayActorError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
@@ -60,6 +60,12 @@ def unavailable(message: str, code: str) -> JSONResponse:
 def replica_failed_message(replica: str) -> str:
     return (f"engine replica {replica} failed while answering this request (its process ended); "
             f"Ray Serve is replacing it: retry the request")
+
+
+def replica_error_message(replica: str, exc: RayTaskError) -> str:
+    cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+    lines = [line for line in str(cause).splitlines() if line.strip()]
+    return f"internal error in engine replica {replica}: {lines[-1] if lines else type(cause).__name__}"
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -137,7 +143,7 @@ class Ingress:
 
     def __init__(self, engines: list[DeploymentHandle], max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> None:
         self.replicas = [str(i) for i in range(len(engines))]
-        self.handles = dict(zip(self.replicas, engines))
+        self.handles = dict(zip(self.replicas, engines, strict=True))
         self.ring = HashRing(self.replicas)
         self.max_imbalance = max_imbalance
         self.live = set(self.replicas)  # Ray Serve starts the ingress once every replica is up
@@ -173,9 +179,10 @@ class Ingress:
         replica = route.replica
         self.metrics.routed.labels(replica, route.reason).inc()
         self.in_flight[replica] += 1
-        stream: DeploymentResponseGenerator = self.handles[replica].options(stream=True).handle_http.remote(request)
+        stream: DeploymentResponseGenerator | None = None
         relayed = finished = False
         try:
+            stream = self.handles[replica].options(stream=True).handle_http.remote(request)
             start = await stream.__anext__()
             if start.is_event_stream:
                 relayed = True
@@ -188,10 +195,14 @@ class Ingress:
             finished = True
             self.replica_failed(replica, exc)
             return unavailable(replica_failed_message(replica), "replica_unavailable")
+        except RayTaskError as exc:  # the replica raised outside its app's error handlers
+            finished = True
+            logger.error("%s", exc)
+            return JSONResponse(error_body(replica_error_message(replica, exc), type="server_error"), status_code=500)
         finally:
             if not relayed:
                 self.in_flight[replica] -= 1
-                if not finished:  # cancelled (the client went away): the replica aborts the request
+                if not finished and stream is not None:  # cancelled (the client went away): the replica aborts
                     stream.cancel()
 
     async def relay(self, replica: str, stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
@@ -206,6 +217,11 @@ class Ingress:
             self.replica_failed(replica, exc)
             yield sse_event(error_body(replica_failed_message(replica), type="server_error",
                                        code="replica_unavailable"))
+            yield b"data: [DONE]\n\n"
+        except RayTaskError as exc:
+            finished = True
+            logger.error("%s", exc)
+            yield sse_event(error_body(replica_error_message(replica, exc), type="server_error"))
             yield b"data: [DONE]\n\n"
         finally:
             self.in_flight[replica] -= 1
@@ -271,7 +287,7 @@ class Ingress:
         results = await asyncio.gather(*(asyncio.wait_for(asyncio.ensure_future(r), PROBE_TIMEOUT_S)
                                          for r in responses), return_exceptions=True)
         texts = {}
-        for replica, result in zip(live, results):
+        for replica, result in zip(live, results, strict=True):
             if isinstance(result, str):
                 texts[replica] = result
             elif isinstance(result, REPLICA_ERRORS):
