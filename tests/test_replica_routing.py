@@ -209,3 +209,12 @@ def test_replicas_must_be_positive():
 
     result = CliRunner().invoke(app, ["serve", "--ray", "--replicas", "0"])
     assert result.exit_code == 2 and "--replicas must be >= 1" in result.output
+
+
+def test_serve_ray_with_a_missing_model_fails_before_starting_a_cluster(tmp_path):
+    from hybridllm.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--ray", "--model", str(tmp_path / "missing.gguf")])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: model not found"), result.output

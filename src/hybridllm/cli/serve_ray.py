@@ -47,12 +47,17 @@ def run_ray_server(llm_options: dict[str, Any], *, address: str | None, replicas
 
     Raises:
         ConfigError: Ray Serve is not installed.
+        ModelLoadError: with a local cluster, the model cannot be found or opened.
     """
     try:
         from hybridllm.server.ray import ServerOptions, build_app, ray_serve
     except ModuleNotFoundError as exc:
         raise ConfigError(f"--ray needs Ray Serve ({exc.name} is not installed): {INSTALL_HINT}") from None
 
+    if address is None:  # the replicas run here: a missing model fails now, not in each replica's retries
+        from hybridllm.loading.registry import open_checkpoint
+
+        open_checkpoint(llm_options.get("model"))
     server = ServerOptions(max_batch=max_batch, max_queue=max_queue, host_budget=host_budget,
                            served_model_name=served_model_name, api_key=api_key, max_request_bytes=max_request_bytes)
     on_gpu = str(llm_options.get("device", "cpu")).startswith("cuda")

@@ -17,7 +17,7 @@ APP_NAME = "hybridllm"
 
 
 class RayServeError(HybridLLMError):
-    """The application could not be deployed on the cluster (one line: Ray's reason)."""
+    """The cluster cannot be reached or the application not deployed on it (one line: Ray's reason)."""
 
 
 def last_line(exc: BaseException) -> str:
@@ -38,12 +38,15 @@ def ray_serve(app: Application, *, address: str | None, host: str, port: int) ->
         port: its port.
 
     Raises:
-        RayServeError: a replica could not be built (bad model path ...), or the cluster refused
-            the application.
+        RayServeError: the cluster cannot be reached, a replica could not be built (bad model
+            path ...), or the cluster refused the application.
     """
     local = address is None
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(address=address, logging_level=logging.WARNING, **({"include_dashboard": False} if local else {}))
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, **({"include_dashboard": False} if local else {}))
+    except ConnectionError as exc:
+        raise RayServeError(f"--ray-address {address}: {last_line(exc)} (start one with `ray start --head`)") from None
     for sig, handler in handlers.items():  # ray.init's SIGTERM handler would exit without stopping Serve
         signal.signal(sig, handler)
     try:
