@@ -124,6 +124,16 @@ def completion(prompt: str, **extra: Any) -> dict[str, Any]:
     return {"model": "unused-check", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
 
 
+def finished(metrics: str) -> dict[str, float]:
+    """Finished requests per replica label, from the ingress's /metrics text."""
+    served: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("hybridllm:request_success_total{"):
+            replica = line.split('replica="')[1].split('"')[0]
+            served[replica] = served.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return served
+
+
 def served_model(replica: EngineReplica) -> str:
     return replica.app.state.model_name
 
@@ -137,7 +147,11 @@ def test_ingress_forwards_to_both_replicas_and_merges_metrics(replicas):
                                          for p in prompts))
         bad = await client.post("/v1/completions", json=completion("x"))  # wrong model: the replica's 400
         models = await client.get("/v1/models")
-        metrics = (await client.get("/metrics")).text
+        for _ in range(100):  # the loop counts a request just after its client hears the end
+            metrics = (await client.get("/metrics")).text
+            if sum(finished(metrics).values()) >= len(prompts):
+                break
+            await asyncio.sleep(0.05)
         table = (await client.get("/replicas")).json()
         return replies, bad, models, metrics, table
 
@@ -146,12 +160,8 @@ def test_ingress_forwards_to_both_replicas_and_merges_metrics(replicas):
     assert all(r.json()["choices"][0]["text"] for r in replies)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
     assert models.json()["data"][0]["id"] == model
-    served = {}
-    for line in metrics.splitlines():
-        if line.startswith("hybridllm:request_success_total{"):
-            replica = line.split('replica="')[1].split('"')[0]
-            served[replica] = served.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
-    assert served["0"] > 0 and served["1"] > 0 and sum(served.values()) >= len(prompts)
+    served = finished(metrics)
+    assert served["0"] > 0 and served["1"] > 0 and sum(served.values()) == len(prompts)
     assert 'hybridllm:ingress_replica_up{replica="0"} 1.0' in metrics
     assert [(r["replica"], r["live"]) for r in table] == [("0", True), ("1", True)]
     assert all(isinstance(r["pid"], int) for r in table)

@@ -134,6 +134,9 @@ def test_concurrent_requests_match_one_engine_and_use_both_replicas(ray_server, 
         answers = list(pool.map(ask, PROMPTS))  # any failure raises here
 
     assert answers == expected
+    deadline = time.monotonic() + 30  # the loop counts a request just after its client hears the end
+    while sum(requests_per_replica(base).values()) < len(PROMPTS) and time.monotonic() < deadline:
+        time.sleep(0.2)
     served = requests_per_replica(base)
     assert set(served) == {"0", "1"}
     assert served["0"] > 0 and served["1"] > 0, served
