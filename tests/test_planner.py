@@ -308,3 +308,30 @@ def test_cli_plan_apply_reports_predicted_and_measured():
     assert {"predicted", "measured", "plan"} <= set(out)
     assert {"decode_tps", "ttft_s", "peak_device_bytes", "peak_host_bytes"} <= set(out["predicted"])
     assert out["measured"]["generated_tokens"] == 4
+
+
+def test_capacity_divides_the_target_by_one_replicas_rate():
+    from hybridllm.planner.capacity import Capacity
+
+    assert Capacity(100, 25).replicas == 4  # exact: no extra replica
+    assert Capacity(101, 25).replicas == 5
+    assert Capacity(1, 25).replicas == 1
+    assert Capacity(0.3, 0.1).replicas == 3  # float division that lands a hair above 3
+    assert Capacity(90, 30).to_dict() == {"target_tokens_per_s": 90, "replica_decode_tps": 30, "replicas": 3}
+    assert "--replicas 3" in Capacity(90, 30).describe()
+    with pytest.raises(ConfigError, match="--target-tokens-per-s"):
+        Capacity(0, 25)
+
+
+@pytest.mark.slow
+def test_cli_plan_target_tokens_per_s_gives_the_replica_count():
+    proc = run_cli(*MISTRAL_ARGS, "--json", "--target-tokens-per-s", "100")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    per_replica = data["predicted"]["decode_tps"]
+    assert data["capacity"] == {"target_tokens_per_s": 100.0, "replica_decode_tps": per_replica,
+                                "replicas": math.ceil(100 / per_replica)}
+    proc = run_cli(*MISTRAL_ARGS, "--target-tokens-per-s", "100")
+    assert proc.returncode == 0 and f"serve --ray --replicas {math.ceil(100 / per_replica)}" in proc.stdout
+    proc = run_cli(*MISTRAL_ARGS, "--target-tokens-per-s", "-1")
+    assert proc.returncode == 2 and "--target-tokens-per-s must be > 0" in proc.stderr

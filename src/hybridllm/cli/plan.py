@@ -31,6 +31,7 @@ def plan(
     apply: Annotated[bool, typer.Option("--apply", help="Run a generation with the plan and report predicted and measured figures.")] = False,
     prompt: Annotated[str, typer.Option("--prompt", help="--apply: the prompt.")] = DEFAULT_PROMPT,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="--apply: new tokens (greedy).")] = 64,
+    target_tps: Annotated[float | None, typer.Option("--target-tokens-per-s", help="Decode tokens/s the service must give in all: print how many engine replicas (serve --ray --replicas N) take, at the predicted rate of one.")] = None,
 ) -> None:
     """Choose where weights and KV live for a model on this machine (or given budgets), and predict TTFT and TPS."""
     from hybridllm import planner
@@ -46,6 +47,8 @@ def plan(
                         ("--host-bandwidth", host_bandwidth), ("--device-tflops", device_tflops)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} must be > 0, got {value}")
+    if target_tps is not None and not target_tps > 0:
+        raise ConfigError(f"--target-tokens-per-s must be > 0, got {target_tps}")
     if apply and not has_weights:
         raise ConfigError("--apply needs a model with weights (a GGUF file or a Hugging Face folder), not a config.json")
 
@@ -74,11 +77,18 @@ def plan(
     if apply and not result.fits:
         raise ConfigError(result.reason)
 
+    capacity = None
+    if target_tps is not None and result.fits:
+        from hybridllm.planner.capacity import Capacity
+
+        capacity = Capacity(target_tps, result.prediction.decode_tps)
     if not apply:
         if as_json:
-            typer.echo(json.dumps(result.to_dict()))
+            typer.echo(json.dumps({**result.to_dict(), **({"capacity": capacity.to_dict()} if capacity else {})}))
         else:
             print_plan(result, cfg)
+            if capacity is not None:
+                typer.echo(f"replicas: {capacity.describe()}")
         return
     _apply(result, cfg, model, prompt, max_tokens, threads, prefill_chunk, gpu_here, as_json)
 

@@ -33,6 +33,9 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
     max_request_bytes: Annotated[str, typer.Option("--max-request-bytes", help="Largest request body accepted, e.g. 8MiB (bigger: 413).")] = "8MiB",
     shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", help="On SIGTERM: seconds to finish in-flight requests before exiting (new ones get 503).")] = 30.0,
+    on_ray: Annotated[bool, typer.Option("--ray", help="Run --replicas engine replicas on Ray Serve behind one OpenAI-compatible ingress (pip install 'hybridllm[ray]').")] = False,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="--ray: the cluster to join (auto: the one `ray start` runs here; HEAD:6379); default: start a local one.")] = None,
+    replicas: Annotated[int, typer.Option("--replicas", help="--ray: engine replicas, each with its own model, request loop and KV.")] = 1,
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
@@ -52,6 +55,18 @@ def serve(
     request_bytes = parse_bytes(max_request_bytes)
     if request_bytes is None or request_bytes < 1:
         raise ConfigError(f"--max-request-bytes must be a positive size, got {max_request_bytes!r}")
+    if not on_ray and (ray_address is not None or replicas != 1):
+        raise ConfigError("--ray-address and --replicas need --ray")
+    if on_ray:
+        from hybridllm.cli.serve_ray import run_ray_server
+
+        if replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {replicas}")
+        run_ray_server(llm_kwargs(model, placement, kv, speed), address=ray_address, replicas=replicas, host=host,
+                       port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue, host_budget=host_bytes,
+                       served_model_name=served_model_name, max_request_bytes=request_bytes,
+                       shutdown_grace=shutdown_grace)
+        return
     run_server(llm_kwargs(model, placement, kv, speed), host=host, port=port, api_key=api_key, max_batch=max_batch,
                max_queue=max_queue, host_budget=host_bytes, served_model_name=served_model_name, log_level=log_level,
                max_request_bytes=request_bytes, shutdown_grace=shutdown_grace)

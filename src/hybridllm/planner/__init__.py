@@ -2,7 +2,8 @@
 
 By concern: :mod:`.memory` (bytes of weights and KV per tier), :mod:`.roofline` (TTFT and decode
 TPS from bandwidths and FLOP rates), :mod:`.search` (candidates, the best fit), :mod:`.explain`
-(the result, its JSON and the reason), :mod:`.inputs` (model numbers and machine figures).
+(the result, its JSON and the reason), :mod:`.inputs` (model numbers and machine figures),
+:mod:`.capacity` (engine replicas for a target decode rate).
 """
 
 from hybridllm.planner.explain import PlanResult

@@ -1,0 +1,225 @@
+"""The ``serve --ray`` ingress and engine replicas in one process, without a Ray cluster.
+
+Real :class:`Ingress` and :class:`EngineReplica` objects (a tiny random model each); between them,
+stand-ins for Ray Serve's deployment handles that call the replica directly and can play a
+replica whose process died (Ray's ``ActorDiedError``). Checks the forwarding (answers equal the
+engine's own), the merged ``/metrics``, and what clients get when a replica dies mid-request.
+(The real cluster: tests/test_ray_serve.py, slow.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+from ray.exceptions import ActorDiedError
+from starlette.requests import Request
+
+from hybridllm import LLM
+from hybridllm.config import SamplingParams
+from hybridllm.server.ray.ingress import Ingress
+from hybridllm.server.ray.replica import EngineReplica, ServerOptions
+from hybridllm.server.routing import prefix_key
+
+
+class FakeResponse:
+    """What ``handle.method.remote()`` gives: awaitable and cancellable."""
+
+    def __init__(self, coro: Any) -> None:
+        self.coro = coro
+
+    def __await__(self):
+        return self.coro.__await__()
+
+    def cancel(self) -> None:
+        self.coro.close()
+
+
+class FakeStream:
+    """What ``handle.options(stream=True).method.remote()`` gives: an async iterator, cancellable;
+    its replica's death raises ``ActorDiedError`` after ``fail_after`` parts."""
+
+    def __init__(self, parts: AsyncIterator[Any], handle: FakeHandle) -> None:
+        self.parts = parts
+        self.handle = handle
+        self.sent = 0
+        self.cancelled = False
+
+    def __aiter__(self) -> FakeStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.handle.fail_after is not None and self.sent >= self.handle.fail_after:
+            await self.parts.aclose()  # the process is gone: its request with it
+            raise ActorDiedError()
+        self.sent += 1
+        return await self.parts.__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Remote:
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.remote = call
+
+
+class FakeHandle:
+    """A deployment handle of one engine replica, calling it in this process.
+
+    ``fail_after``: None while the replica lives; N: its process died, calls fail (a stream after
+    N more parts)."""
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
+        self.fail_after: int | None = None
+        self.handle_http = Remote(lambda request: FakeStream(self.replica.handle_http(request), self))
+        self.describe = Remote(lambda: FakeResponse(self.call(self.replica.describe)))
+        self.metrics_text = Remote(lambda: FakeResponse(self.call(self.replica.metrics_text)))
+
+    def options(self, stream: bool = False) -> FakeHandle:
+        return self
+
+    async def call(self, method: Callable[[], Any]) -> Any:
+        if self.fail_after is not None:
+            raise ActorDiedError()
+        return method()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_models):
+    folder = tiny_models["llama"][0]
+    made = [EngineReplica(str(i), {"model": folder, "device": "cpu", "threads": 1}, ServerOptions(max_batch=4))
+            for i in range(2)]
+    yield made
+    for replica in made:
+        replica.scheduler.stop()
+
+
+Body = Callable[[httpx.AsyncClient, Ingress, list["FakeHandle"]], Any]
+
+
+def run_with_ingress(replicas: list[EngineReplica], body: Body) -> Any:
+    """Run ``body(client, ingress, handles)`` against an ingress in front of ``replicas``."""
+    handles = [FakeHandle(replica) for replica in replicas]
+    ingress = Ingress(handles, max_imbalance=4)
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        response = await ingress(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def main() -> Any:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress",
+                                     timeout=60) as client:
+            return await body(client, ingress, handles)
+
+    return asyncio.run(main())
+
+
+def completion(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "unused-check", "prompt": prompt, "max_tokens": 6, "temperature": 0, **extra}
+
+
+def finished(metrics: str) -> dict[str, float]:
+    """Finished requests per replica label, from the ingress's /metrics text."""
+    served: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("hybridllm:request_success_total{"):
+            replica = line.split('replica="')[1].split('"')[0]
+            served[replica] = served.get(replica, 0.0) + float(line.rsplit(" ", 1)[1])
+    return served
+
+
+def served_model(replica: EngineReplica) -> str:
+    return replica.app.state.model_name
+
+
+def test_ingress_forwards_to_both_replicas_and_merges_metrics(replicas):
+    model = served_model(replicas[0])
+    prompts = [f"prompt number {i} says" for i in range(12)]
+
+    async def body(client: httpx.AsyncClient, ingress: Ingress, handles: list[FakeHandle]) -> Any:
+        replies = await asyncio.gather(*(client.post("/v1/completions", json=completion(p) | {"model": model})
+                                         for p in prompts))
+        bad = await client.post("/v1/completions", json=completion("x"))  # wrong model: the replica's 400
+        models = await client.get("/v1/models")
+        for _ in range(100):  # the loop counts a request just after its client hears the end
+            metrics = (await client.get("/metrics")).text
+            if sum(finished(metrics).values()) >= len(prompts):
+                break
+            await asyncio.sleep(0.05)
+        table = (await client.get("/replicas")).json()
+        return replies, bad, models, metrics, table
+
+    replies, bad, models, metrics, table = run_with_ingress(replicas, body)
+    assert all(r.status_code == 200 for r in replies)
+    assert all(r.json()["choices"][0]["text"] for r in replies)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "model_not_found"
+    assert models.json()["data"][0]["id"] == model
+    served = finished(metrics)
+    assert served["0"] > 0 and served["1"] > 0 and sum(served.values()) == len(prompts)
+    assert 'hybridllm:ingress_replica_up{replica="0"} 1.0' in metrics
+    assert [(r["replica"], r["live"]) for r in table] == [("0", True), ("1", True)]
+    assert all(isinstance(r["pid"], int) for r in table)
+
+
+def test_answers_equal_the_engine_greedy_output(replicas, tiny_models):
+    model = served_model(replicas[0])
+    prompts = ["Hello there", "def add(a, b):", "The quick brown"]
+    llm = LLM(tiny_models["llama"][0], device="cpu", threads=1)  # the single engine, outside any replica
+    expected = [llm.generate(p, SamplingParams(max_tokens=6, temperature=0)).text for p in prompts]
+
+    async def body(client: httpx.AsyncClient, ingress: Ingress, handles: list[FakeHandle]) -> Any:
+        return await asyncio.gather(*(client.post("/v1/completions", json=completion(p) | {"model": model})
+                                      for p in prompts))
+
+    replies = run_with_ingress(replicas, body)
+    assert [r.json()["choices"][0]["text"] for r in replies] == expected
+
+
+def test_a_dead_replica_gets_503_or_an_sse_error_and_comes_back(replicas):
+    model = served_model(replicas[0])
+
+    async def body(client: httpx.AsyncClient, ingress: Ingress, handles: list[FakeHandle]) -> Any:
+        out = {}
+        # the process dies after the response started: a stream ends with an error event and [DONE]
+        request = completion("a story", stream=True, max_tokens=20) | {"model": model}
+        home = ingress.ring.preferred(prefix_key(request), ingress.replicas)
+        handles[int(home)].fail_after = 3
+        out["stream"] = await client.post("/v1/completions", json=request)
+        out["live_after_stream"], out["home"] = set(ingress.live), home
+        # both dead before answering: 503 replica_unavailable, then no replica at all: 503 no_replica
+        ingress.live.update(ingress.replicas)
+        handles[0].fail_after = handles[1].fail_after = 0
+        out["json"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
+        out["json2"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
+        out["none"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
+        out["health_down"] = await client.get("/health")
+        # Ray brought them back: the next probe routes to them again
+        handles[0].fail_after = handles[1].fail_after = None
+        out["health_up"] = await client.get("/health")
+        out["after"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
+        out["metrics"] = (await client.get("/metrics")).text
+        return out
+
+    out = run_with_ingress(replicas, body)
+    events = [line[len("data: "):] for line in out["stream"].text.splitlines() if line.startswith("data: ")]
+    assert out["stream"].status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "replica_unavailable" and error["type"] == "server_error"
+    assert out["live_after_stream"] == {"0", "1"} - {out["home"]}  # the stream's replica is down, not the other
+    for key in ("json", "json2"):
+        assert out[key].status_code == 503 and out[key].headers["retry-after"] == "1"
+        assert out[key].json()["error"]["code"] == "replica_unavailable"
+    assert out["none"].status_code == 503 and out["none"].json()["error"]["code"] == "no_replica"
+    assert out["health_down"].status_code == 503
+    assert out["health_down"].json()["replicas"] == {"0": "down", "1": "down"}
+    assert out["health_up"].status_code == 200 and out["health_up"].json()["replicas"] == {"0": "ok", "1": "ok"}
+    assert out["after"].status_code == 200
+    failures = sum(float(line.rsplit(" ", 1)[1]) for line in out["metrics"].splitlines()
+                   if line.startswith("hybridllm:ingress_replica_failures_total{"))
+    assert failures == 3  # the stream and the two 503s; no_replica is not a replica's failure
