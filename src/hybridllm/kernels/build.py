@@ -29,7 +29,7 @@ from hybridllm.errors import HybridLLMError
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
-ABI_VERSION = 2  # must equal ABI_VERSION in decode.cpp
+ABI_VERSION = 3  # must equal ABI_VERSION in decode.cpp
 
 
 class KernelBuildError(HybridLLMError, RuntimeError):

@@ -1,4 +1,7 @@
-// Native CPU kernels for one decode step (batch 1, one token) of a Llama-family layer.
+// Native CPU kernels for one decode step (one token for each of B sequences) of a Llama-family
+// model. Batch-invariant: each sequence's arithmetic, summation order included, is the same
+// alone or in any batch, at any position in it, on any number of threads; the batch shares each
+// weight matrix's read (decode is bound by the bandwidth of reading the weights).
 //
 // Built at run time by hybridllm.kernels.build with the host's C++ compiler
 // (-O3 -march=native -fopenmp) and called through ctypes by hybridllm.kernels.native.
@@ -27,7 +30,7 @@
 
 namespace {
 
-constexpr int32_t ABI_VERSION = 2;
+constexpr int32_t ABI_VERSION = 3;
 constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
 
 enum WeightFormat : int32_t {
@@ -68,7 +71,7 @@ struct HLDecoderLayer {
   int64_t intermediate;
 };
 
-// One layer's KV buffers ((Hkv, capacity, D) each, batch 1) and the row of this step's token.
+// One layer's KV buffers of one sequence ((Hkv, capacity, D) each) and the row of this step's token.
 struct HLLayerCache {
   float* keys;
   float* values;
@@ -88,16 +91,16 @@ enum Phase { BETWEEN_STEPS, NORM, QKV, ROPE_KV, ATTENTION, O_PROJ, RESIDUAL_NORM
 #ifdef HL_PROFILE
 double phase_seconds[N_PHASES];  // accumulated by thread 0 (the others wait at the same barriers)
 double phase_mark = 0.0;
-#define PHASE_END(phase)                                         \
+#define PHASE_END(team, phase)                                   \
   do {                                                           \
-    if (omp_get_thread_num() == 0) {                             \
+    if ((team).thread == 0) {                                    \
       const double now = omp_get_wtime();                        \
       if (phase_mark > 0.0) phase_seconds[phase] += now - phase_mark; \
       phase_mark = now;                                          \
     }                                                            \
   } while (0)
 #else
-#define PHASE_END(phase) \
+#define PHASE_END(team, phase) \
   do {                   \
   } while (0)
 #endif
@@ -336,14 +339,12 @@ inline __m256i sum_each_of_8(const __m256i d[8]) {
 }
 
 // Rows n0..n1-1 (n1 - n0 a multiple of 8) of a (G, N, 32) table with (G, N) scales (the GGUF
-// Q8_0 head), group by group: each group's rows are one contiguous slab, so a thread reads its
-// rows of the table as one sequential stream per group; out accumulates across groups.
-void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, int64_t n0, int64_t n1,
-                     int64_t n_rows, int64_t groups, float* out) {
+// Q8_0 head), group by group, for every prepared input row m: each group's rows are one
+// contiguous slab, so a thread reads its rows of the table as one sequential stream per group
+// (each block of 8 rows once for all input rows); out (M, n_out) accumulates across groups.
+void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
-    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
-    const __m256 x_scale = _mm256_set1_ps(a.q_scales[g] / 128.0f);
     const int8_t* slab = w + g * n_rows * GROUP;
     const float* slab_scales = scales + g * n_rows;
     for (int64_t n = n0; n < n1; n += 8) {
@@ -352,11 +353,18 @@ void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, 
       __builtin_prefetch(rows + 16 * 8 * GROUP + 64);
       __builtin_prefetch(rows + 16 * 8 * GROUP + 128);
       __builtin_prefetch(rows + 16 * 8 * GROUP + 192);
-      __m256i dots[8];
-      for (int r = 0; r < 8; ++r) dots[r] = dot_s8_s8(rows + r * GROUP, xq, xq_low);
-      const __m256 row_scales = _mm256_mul_ps(_mm256_loadu_ps(slab_scales + n), x_scale);
-      const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
-      _mm256_storeu_ps(out + n, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(out + n), partial));
+      for (int64_t m = 0; m < acts.rows(); ++m) {
+        const Activation a = acts.row(m);
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
+        const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+        const __m256 x_scale = _mm256_set1_ps(a.q_scales[g] / 128.0f);
+        __m256i dots[8];
+        for (int r = 0; r < 8; ++r) dots[r] = dot_s8_s8(rows + r * GROUP, xq, xq_low);
+        const __m256 row_scales = _mm256_mul_ps(_mm256_loadu_ps(slab_scales + n), x_scale);
+        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
+        float* o = out + m * n_out + n;
+        _mm256_storeu_ps(o, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(o), partial));
+      }
     }
   }
 }
@@ -413,9 +421,11 @@ void rows_q8_groups(const int8_t* w, const float* scales, const Activation& a, i
   for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]);
 }
 
-void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, int64_t n0, int64_t n1,
-                     int64_t n_rows, int64_t groups, float* out) {
-  for (int64_t n = n0; n < n1; n += ROWS) rows_q8_groups(w, scales, a, n, n_rows, groups, out + n);
+void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
+  for (int64_t n = n0; n < n1; n += ROWS)
+    for (int64_t m = 0; m < acts.rows(); ++m)
+      rows_q8_groups(w, scales, acts.row(m), n, n_rows, groups, out + m * n_out + n);
 }
 #endif
 
@@ -459,9 +469,8 @@ void linear_rows(const HLLinear& w, const ActivationRows& acts, float* out, int6
   int64_t n = n0;
   if (w.format == FORMAT_Q8_GROUPS) {  // group-major over the whole range, 8 rows at a time
     n = n0 + (n1 - n0) / 8 * 8;
-    for (int64_t m = 0; m < m_rows; ++m)
-      q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), acts.row(m), n0, n,
-                      n_out, groups, out + m * n_out);
+    q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), acts, n0, n, n_out,
+                    groups, out, n_out);
   }
   for (; n + ROWS <= n1; n += ROWS) {
     for (int64_t m = 0; m < m_rows; ++m) {
@@ -491,26 +500,56 @@ void linear_rows(const HLLinear& w, const ActivationRows& acts, float* out, int6
       for (n = n0; n < n1; ++n) out[m * n_out + n] += w.bias[n];
 }
 
+// ---- the thread team ----------------------------------------------------------------------
+// Every *_team function runs on each thread of a team with the same arguments; `team` says
+// which thread it is. Work is split by static ranges that depend on the sizes and the team
+// size only, and no row's arithmetic depends on which thread computes it.
+struct Team {
+  int thread;
+  int size;
+  void barrier() const {
+#pragma omp barrier
+  }
+};
+
+template <typename Body>
+void run_team(int32_t n_threads, Body&& body) {
+#pragma omp parallel num_threads(std::max<int32_t>(1, n_threads))
+  {
+    const Team team{omp_get_thread_num(), omp_get_num_threads()};
+    body(team);
+  }
+}
+
+// This thread's contiguous share [first, last) of n items.
+struct Share {
+  int64_t first, last;
+  Share(int64_t n, const Team& team) {
+    const int64_t per = (n + team.size - 1) / team.size;
+    first = std::min(n, team.thread * per);
+    last = std::min(n, first + per);
+  }
+};
+
 // The output columns of x @ W.T (x: (rows, K) -> out: (rows, N)) split in contiguous ranges,
-// one per thread of the enclosing team (multiples of 16: whole cache lines of out), then a
-// barrier. Called inside a parallel region (or by one thread outside any). Each thread prepares
-// x itself (sums, int8 digits): no extra barrier.
-void linear_team(const HLLinear& w, const float* x, float* out, int64_t rows = 1) {
+// one per thread (multiples of 16: whole cache lines of out, and the same 4- and 8-row weight
+// blocks whatever the team size), then a barrier. Each thread prepares x itself (sums, int8
+// digits): no extra barrier. A row's result does not depend on the other rows or the team size.
+void linear_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows) {
   thread_local ActivationRows acts;
   const bool quantized_weights = w.format != FORMAT_F32;
   acts.prepare(x, rows, w.in_features, quantized_weights, quantized_weights && QUANTIZED_ACTIVATIONS);
   const int64_t n = w.out_features;
-  const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-  const int64_t per = ((n + threads - 1) / threads + 15) / 16 * 16;
-  const int64_t n0 = std::min(n, t * per), n1 = std::min(n, n0 + per);
+  const int64_t per = ((n + team.size - 1) / team.size + 15) / 16 * 16;
+  const int64_t n0 = std::min<int64_t>(n, team.thread * per), n1 = std::min(n, n0 + per);
   linear_rows(w, acts, out, n0, n1);
-#pragma omp barrier
+  team.barrier();
 }
 
-// gate[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
-void silu_times(float* __restrict gate, const float* __restrict up, int64_t n) {
+// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
+void silu_times(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
@@ -610,149 +649,188 @@ void accumulate_values(const float* values, int64_t len, int group, int64_t d, c
       for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * stride + t] * values[t * d + i];
 }
 
-// How attention over `total` tokens is cut into work items (kv head, token chunk): at least 8
-// items per thread so that a static split is balanced, each item at least 64 tokens.
+// How one row's attention over `total` tokens is cut into work items (kv head, token chunk):
+// about TARGET_ITEMS items, each at least 64 tokens. It depends on the row's length only (not
+// on the team size or the batch), so the chunks, and the order their results are merged in,
+// are the same alone or in any batch, on any number of threads.
 struct AttentionSplit {
+  static constexpr int64_t TARGET_ITEMS = 32;
   int64_t chunk, n_chunks, items;
-  AttentionSplit(int64_t total, int n_kv_heads, int n_threads) {
-    const int64_t wanted_items = std::max<int64_t>(8 * n_threads, n_kv_heads);
-    const int64_t chunks_per_head = (wanted_items + n_kv_heads - 1) / n_kv_heads;
-    chunk = std::max<int64_t>(64, (total + chunks_per_head - 1) / chunks_per_head);
+  AttentionSplit(int64_t total, int n_kv_heads) {
+    chunk = std::max<int64_t>(64, (total + chunks_per_head(n_kv_heads) - 1) / chunks_per_head(n_kv_heads));
     n_chunks = (total + chunk - 1) / chunk;
     items = n_kv_heads * n_chunks;
   }
-  static int64_t max_items(int n_kv_heads, int n_threads) {
-    const int64_t wanted_items = std::max<int64_t>(8 * n_threads, n_kv_heads);
-    return n_kv_heads * ((wanted_items + n_kv_heads - 1) / n_kv_heads);
-  }
+  static int64_t chunks_per_head(int n_kv_heads) { return (TARGET_ITEMS + n_kv_heads - 1) / n_kv_heads; }
+  static int64_t max_items(int n_kv_heads) { return n_kv_heads * chunks_per_head(n_kv_heads); }
 };
 
-// Scratch shared by a team for one layer step (allocated once per call, outside the region).
+// Scratch shared by a team for one step of `rows` tokens (allocated once per call, outside the team).
 struct Workspace {
-  std::vector<float> normed, qkv, attn, proj, gate_up, h, part_out, part_max, part_sum;
-  Workspace(const HLDecoderLayer& w, int n_threads) {
+  std::vector<float> normed, qkv, attn, proj, gate_up, mlp, h, part_out, part_max, part_sum;
+  std::vector<int64_t> item_offsets;  // (rows + 1,): where each row's attention items start
+  Workspace(const HLDecoderLayer& w, int64_t rows) {
     const int64_t d = w.head_dim, q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
-    const int64_t items = AttentionSplit::max_items(w.n_kv_heads, n_threads);
+    const int64_t items = AttentionSplit::max_items(w.n_kv_heads);
     const int64_t group = w.n_heads / w.n_kv_heads;
-    normed.resize(w.hidden);
-    qkv.resize(q_size + 2 * kv_size);
-    attn.resize(q_size);
-    proj.resize(w.hidden);
-    gate_up.resize(2 * w.intermediate);
-    h.resize(w.hidden);
-    part_out.resize(items * group * d);
-    part_max.resize(items * group);
-    part_sum.resize(items * group);
+    normed.resize(rows * w.hidden);
+    qkv.resize(rows * (q_size + 2 * kv_size));
+    attn.resize(rows * q_size);
+    proj.resize(rows * w.hidden);
+    gate_up.resize(rows * 2 * w.intermediate);
+    mlp.resize(rows * w.intermediate);
+    h.resize(rows * w.hidden);
+    part_out.resize(rows * items * group * d);
+    part_max.resize(rows * items * group);
+    part_sum.resize(rows * items * group);
+    item_offsets.resize(rows + 1);
   }
 };
 
-// Grouped-query attention of one token's queries q (H, D) over keys/values 0..total-1 of a
-// cache laid out (Hkv, capacity, D), by the enclosing team. Work items are (kv head, token
-// chunk); each keeps its running max, sum and weighted values per query head, merged exactly
-// at the end. `scores` is the calling thread's own scratch.
-void attention_team(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
-                    int n_heads, int n_kv_heads, int head_dim, float* out, Workspace& ws,
-                    std::vector<float>& scores) {
-  const int group = n_heads / n_kv_heads;
-  const int64_t d = head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const AttentionSplit split(total, n_kv_heads, omp_get_num_threads());
-  const int64_t chunk = split.chunk, n_chunks = split.n_chunks;
+// One token's grouped-query attention of work item `item` (kv head, token chunk) of a row:
+// its running max, sum and weighted values per query head of the group.
+void attention_item(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
+                    int group, int64_t d, const AttentionSplit& split, int64_t item, float* part_out,
+                    float* part_max, float* part_sum, std::vector<float>& scores) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t chunk = split.chunk;
   if (static_cast<int64_t>(scores.size()) < group * chunk) scores.resize(group * chunk);
-  float* part_out = ws.part_out.data();
-  float* part_max = ws.part_max.data();
-  float* part_sum = ws.part_sum.data();
-#pragma omp for schedule(static)
-  for (int64_t item = 0; item < split.items; ++item) {
-    const int64_t kv_head = item / n_chunks;
-    const int64_t t0 = (item % n_chunks) * chunk;
-    const int64_t len = std::min(total, t0 + chunk) - t0;
-    const float* keys = k_cache + kv_head * capacity * d;
-    const float* values = v_cache + kv_head * capacity * d;
-    score_chunk(q + kv_head * group * d, keys + t0 * d, values + t0 * d, len, group, d, scale, scores.data(), chunk);
-    float* acc = part_out + item * group * d;
-    for (int g = 0; g < group; ++g) {
-      float* s = scores.data() + g * chunk;
-      float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-      for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < len; ++t) {
-        s[t] = exp_clamped(s[t] - m);
-        sum += s[t];
-      }
-      part_max[item * group + g] = m;
-      part_sum[item * group + g] = sum;
-    }
-    accumulate_values(values + t0 * d, len, group, d, scores.data(), chunk, acc);
-  }  // implicit barrier: every item is done
-#pragma omp for schedule(static)
-  for (int h = 0; h < n_heads; ++h) {
-    const int64_t kv_head = h / group, g = h % group;
+  const int64_t kv_head = item / split.n_chunks;
+  const int64_t t0 = (item % split.n_chunks) * chunk;
+  const int64_t len = std::min(total, t0 + chunk) - t0;
+  const float* keys = k_cache + kv_head * capacity * d;
+  const float* values = v_cache + kv_head * capacity * d;
+  score_chunk(q + kv_head * group * d, keys + t0 * d, values + t0 * d, len, group, d, scale, scores.data(), chunk);
+  for (int g = 0; g < group; ++g) {
+    float* s = scores.data() + g * chunk;
     float m = -INFINITY;
-    for (int64_t c = 0; c < n_chunks; ++c) m = std::max(m, part_max[(kv_head * n_chunks + c) * group + g]);
-    float* o = out + h * d;
-    std::fill(o, o + d, 0.0f);
-    float total_sum = 0.0f;
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      const int64_t slot = (kv_head * n_chunks + c) * group + g;
-      const float w = std::exp(part_max[slot] - m);
-      total_sum += w * part_sum[slot];
-      const float* a = part_out + slot * d;
-      for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_clamped(s[t] - m);
+      sum += s[t];
     }
-    const float inv = 1.0f / total_sum;
-    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
-  }  // implicit barrier
+    part_max[item * group + g] = m;
+    part_sum[item * group + g] = sum;
+  }
+  accumulate_values(values + t0 * d, len, group, d, scores.data(), chunk, part_out + item * group * d);
 }
 
-// One decoder layer for one token at position `past`, by the enclosing team:
+// Query head h's output (D,) from a row's work items, merged exactly, chunk by chunk in order.
+void merge_head(int h, int group, int64_t d, const AttentionSplit& split, const float* part_out,
+                const float* part_max, const float* part_sum, float* o) {
+  const int64_t kv_head = h / group, g = h % group, n_chunks = split.n_chunks;
+  float m = -INFINITY;
+  for (int64_t c = 0; c < n_chunks; ++c) m = std::max(m, part_max[(kv_head * n_chunks + c) * group + g]);
+  std::fill(o, o + d, 0.0f);
+  float total_sum = 0.0f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t slot = (kv_head * n_chunks + c) * group + g;
+    const float w = std::exp(part_max[slot] - m);
+    total_sum += w * part_sum[slot];
+    const float* a = part_out + slot * d;
+    for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+  }
+  const float inv = 1.0f / total_sum;
+  for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+}
+
+// Attention of each row's queries q (H, D) (row r at q + r * q_stride) over its own cache (caches[r]: (Hkv, capacity,
+// D), its first start + 1 tokens) -> out (rows, H, D), by the team. The work items of every row
+// (kv head, token chunk) are shared out together, then each (row, query head) is merged.
+// `scores` is the calling thread's own scratch.
+void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches, int64_t rows,
+                    int n_heads,
+                    int n_kv_heads, int head_dim, float* out, Workspace& ws, std::vector<float>& scores) {
+  const int group = n_heads / n_kv_heads;
+  const int64_t d = head_dim, row_items = AttentionSplit::max_items(n_kv_heads);
+  int64_t* offsets = ws.item_offsets.data();  // every thread computes the same prefix sums
+  int64_t all_items = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    offsets[r] = all_items;
+    all_items += AttentionSplit(caches[r].start + 1, n_kv_heads).items;
+  }
+  const Share share(all_items, team);
+  int64_t r = 0;
+  for (int64_t i = share.first; i < share.last; ++i) {
+    while (i >= offsets[r] + AttentionSplit(caches[r].start + 1, n_kv_heads).items) ++r;
+    const HLLayerCache& c = caches[r];
+    const AttentionSplit split(c.start + 1, n_kv_heads);
+    attention_item(q + r * q_stride, c.keys, c.values, c.capacity, c.start + 1, group, d, split,
+                   i - offsets[r], ws.part_out.data() + r * row_items * group * d,
+                   ws.part_max.data() + r * row_items * group, ws.part_sum.data() + r * row_items * group, scores);
+  }
+  team.barrier();  // every item is done
+  const Share heads(rows * n_heads, team);
+  for (int64_t i = heads.first; i < heads.last; ++i) {
+    const int64_t row = i / n_heads;
+    const int h = static_cast<int>(i % n_heads);
+    merge_head(h, group, d, AttentionSplit(caches[row].start + 1, n_kv_heads),
+               ws.part_out.data() + row * row_items * group * d, ws.part_max.data() + row * row_items * group,
+               ws.part_sum.data() + row * row_items * group, out + i * d);
+  }
+  team.barrier();
+}
+
+// One decoder layer for one token of each of `rows` sequences, by the team:
 //   x_out = h + mlp(norm(h)),  h = x + o(attention(rope(q), cache + rope(k), cache + v)),
-// writing the token's k and v into row `past` of the layer's cache (Hkv, capacity, D).
-// cos/sin: (D,) rotary tables of the position. x_in may alias x_out.
-void decode_layer_team(const HLDecoderLayer& w, const float* x_in, float* x_out, float* k_cache, float* v_cache,
-                       int64_t capacity, int64_t past, const float* cos, const float* sin, Workspace& ws,
+// writing row r's k and v at position caches[r].start of its cache (Hkv, capacity, D).
+// x_in, x_out: (rows, hidden), x_in may alias x_out; cos/sin: (rows, D) rotary tables of each
+// row's position. Each weight matrix is read once for all rows; each row's arithmetic is the
+// same whatever the other rows and the team size.
+void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x_in, float* x_out,
+                       const HLLayerCache* caches, int64_t rows, const float* cos, const float* sin, Workspace& ws,
                        std::vector<float>& scores) {
   const int64_t hidden = w.hidden, d = w.head_dim, inter = w.intermediate;
-  const int64_t q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
-  PHASE_END(BETWEEN_STEPS);
-#pragma omp single
-  rms_norm(x_in, w.attn_norm, w.eps, hidden, ws.normed.data());
-  PHASE_END(NORM);
-  linear_team(w.qkv, ws.normed.data(), ws.qkv.data());
-  PHASE_END(QKV);
-#pragma omp single
-  {
-    float* qkv = ws.qkv.data();
-    for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos, sin, d);
+  const int64_t q_size = w.n_heads * d, kv_size = w.n_kv_heads * d, qkv_size = q_size + 2 * kv_size;
+  const Share mine(rows, team);  // the rows this thread takes in the row-wise steps
+  PHASE_END(team, BETWEEN_STEPS);
+  for (int64_t r = mine.first; r < mine.last; ++r)
+    rms_norm(x_in + r * hidden, w.attn_norm, w.eps, hidden, ws.normed.data() + r * hidden);
+  team.barrier();
+  PHASE_END(team, NORM);
+  linear_team(team, w.qkv, ws.normed.data(), ws.qkv.data(), rows);
+  PHASE_END(team, QKV);
+  for (int64_t r = mine.first; r < mine.last; ++r) {
+    float* qkv = ws.qkv.data() + r * qkv_size;
+    const HLLayerCache& c = caches[r];
+    for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos + r * d, sin + r * d, d);
     for (int64_t kv_head = 0; kv_head < w.n_kv_heads; ++kv_head) {
-      std::memcpy(k_cache + (kv_head * capacity + past) * d, qkv + q_size + kv_head * d, d * sizeof(float));
-      std::memcpy(v_cache + (kv_head * capacity + past) * d, qkv + q_size + kv_size + kv_head * d, d * sizeof(float));
+      std::memcpy(c.keys + (kv_head * c.capacity + c.start) * d, qkv + q_size + kv_head * d, d * sizeof(float));
+      std::memcpy(c.values + (kv_head * c.capacity + c.start) * d, qkv + q_size + kv_size + kv_head * d,
+                  d * sizeof(float));
     }
   }
-  PHASE_END(ROPE_KV);
-  attention_team(ws.qkv.data(), k_cache, v_cache, capacity, past + 1, w.n_heads, w.n_kv_heads, w.head_dim,
-                 ws.attn.data(), ws, scores);
-  PHASE_END(ATTENTION);
-  linear_team(w.o, ws.attn.data(), ws.proj.data());
-  PHASE_END(O_PROJ);
-#pragma omp single
-  {
-    for (int64_t i = 0; i < hidden; ++i) ws.h[i] = x_in[i] + ws.proj[i];
-    rms_norm(ws.h.data(), w.mlp_norm, w.eps, hidden, ws.normed.data());
+  team.barrier();
+  PHASE_END(team, ROPE_KV);
+  attention_team(team, ws.qkv.data(), qkv_size, caches, rows, w.n_heads, w.n_kv_heads, w.head_dim, ws.attn.data(), ws,
+                 scores);
+  PHASE_END(team, ATTENTION);
+  linear_team(team, w.o, ws.attn.data(), ws.proj.data(), rows);
+  PHASE_END(team, O_PROJ);
+  for (int64_t r = mine.first; r < mine.last; ++r) {
+    float* h = ws.h.data() + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) h[i] = x_in[r * hidden + i] + ws.proj[r * hidden + i];
+    rms_norm(h, w.mlp_norm, w.eps, hidden, ws.normed.data() + r * hidden);
   }
-  PHASE_END(RESIDUAL_NORM);
-  linear_team(w.gate_up, ws.normed.data(), ws.gate_up.data());
-  PHASE_END(GATE_UP);
-#pragma omp single
-  silu_times(ws.gate_up.data(), ws.gate_up.data() + inter, inter);
-  PHASE_END(SILU);
-  linear_team(w.down, ws.gate_up.data(), ws.proj.data());
-  PHASE_END(DOWN);
-#pragma omp single
-  for (int64_t i = 0; i < hidden; ++i) x_out[i] = ws.h[i] + ws.proj[i];
-  PHASE_END(RESIDUAL);
+  team.barrier();
+  PHASE_END(team, RESIDUAL_NORM);
+  linear_team(team, w.gate_up, ws.normed.data(), ws.gate_up.data(), rows);
+  PHASE_END(team, GATE_UP);
+  for (int64_t r = mine.first; r < mine.last; ++r) {  // row r's (gate, up) -> silu(gate) * up, as (rows, inter)
+    const float* gate = ws.gate_up.data() + r * 2 * inter;
+    silu_times(gate, gate + inter, ws.mlp.data() + r * inter, inter);
+  }
+  team.barrier();
+  PHASE_END(team, SILU);
+  linear_team(team, w.down, ws.mlp.data(), ws.proj.data(), rows);
+  PHASE_END(team, DOWN);
+  for (int64_t r = mine.first; r < mine.last; ++r)
+    for (int64_t i = 0; i < hidden; ++i) x_out[r * hidden + i] = ws.h[r * hidden + i] + ws.proj[r * hidden + i];
+  team.barrier();
+  PHASE_END(team, RESIDUAL);
 }
 
 }  // namespace
@@ -761,8 +839,7 @@ extern "C" {
 
 // out = x @ W.T (+ bias) for rows x (rows, in_features) -> out (rows, out_features).
 void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
-#pragma omp parallel num_threads(n_threads)
-  linear_team(*w, x, out, rows);
+  run_team(n_threads, [&](const Team& team) { linear_team(team, *w, x, out, rows); });
 }
 
 // Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens -> out (H, D).
@@ -772,44 +849,45 @@ void hl_attention(const float* q, const float* k_cache, const float* v_cache, in
   shape.n_heads = n_heads;
   shape.n_kv_heads = n_kv_heads;
   shape.head_dim = head_dim;
-  Workspace ws(shape, n_threads);
-#pragma omp parallel num_threads(n_threads)
-  {
+  Workspace ws(shape, 1);
+  const HLLayerCache cache{const_cast<float*>(k_cache), const_cast<float*>(v_cache), capacity, total - 1};
+  run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
-    attention_team(q, k_cache, v_cache, capacity, total, n_heads, n_kv_heads, head_dim, out, ws, scores);
-  }
+    attention_team(team, q, 0, &cache, 1, n_heads, n_kv_heads, head_dim, out, ws, scores);
+  });
 }
 
-// One decoder layer for one token (see decode_layer_team).
-void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_out, float* k_cache, float* v_cache,
-                     int64_t capacity, int64_t past, const float* cos, const float* sin, int32_t n_threads) {
-  Workspace ws(*layer, n_threads);
-#pragma omp parallel num_threads(n_threads)
-  {
+// One decoder layer for one token of each of `rows` sequences (see decode_layer_team); caches:
+// (rows,), the layer's cache of each row.
+void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_out, const HLLayerCache* caches,
+                     int64_t rows, const float* cos, const float* sin, int32_t n_threads) {
+  Workspace ws(*layer, rows);
+  run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
-    decode_layer_team(*layer, x_in, x_out, k_cache, v_cache, capacity, past, cos, sin, ws, scores);
-  }
+    decode_layer_team(team, *layer, x_in, x_out, caches, rows, cos, sin, ws, scores);
+  });
 }
 
-// A whole decode step after the embedding, in one parallel region: every layer in order (each
-// with its cache slot), the final norm and the head. x (hidden,) is overwritten; logits (N,).
-void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, float* x,
-                     const float* cos, const float* sin, const float* final_norm, float eps, const HLLinear* head,
-                     float* logits, int32_t n_threads) {
-  Workspace ws(layers[0], n_threads);  // every layer of a model has the same shapes
-#pragma omp parallel num_threads(n_threads)
-  {
+// A whole decode step after the embedding for `rows` sequences, in one team: every layer in
+// order, the final norm and the head. caches: (n_layers, rows), layer-major; x (rows, hidden)
+// is overwritten; cos/sin (rows, D); logits (rows, N).
+void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, int64_t rows,
+                     float* x, const float* cos, const float* sin, const float* final_norm, float eps,
+                     const HLLinear* head, float* logits, int32_t n_threads) {
+  Workspace ws(layers[0], rows);  // every layer of a model has the same shapes
+  const int64_t hidden = layers[0].hidden;
+  run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
-    for (int64_t i = 0; i < n_layers; ++i) {
-      const HLLayerCache& c = caches[i];
-      decode_layer_team(layers[i], x, x, c.keys, c.values, c.capacity, c.start, cos, sin, ws, scores);
-    }
-#pragma omp single
-    rms_norm(x, final_norm, eps, layers[0].hidden, ws.normed.data());
-    PHASE_END(FINAL_NORM);
-    linear_team(*head, ws.normed.data(), logits);
-    PHASE_END(HEAD);
-  }
+    for (int64_t i = 0; i < n_layers; ++i)
+      decode_layer_team(team, layers[i], x, x, caches + i * rows, rows, cos, sin, ws, scores);
+    const Share mine(rows, team);
+    for (int64_t r = mine.first; r < mine.last; ++r)
+      rms_norm(x + r * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);
+    team.barrier();
+    PHASE_END(team, FINAL_NORM);
+    linear_team(team, *head, ws.normed.data(), logits, rows);
+    PHASE_END(team, HEAD);
+  });
 }
 
 }  // extern "C"
