@@ -9,7 +9,8 @@ thread wake-ups) is most of the step. :func:`build_native_steps` gives every dec
 whose weights live on the CPU a :class:`NativeDecodeLayer`: the layer's weights described once
 as raw pointers for ``hl_decode_layer`` (``decode.cpp``), which runs the whole layer (norm,
 q/k/v, rotary, writing k/v into the cache, grouped-query attention, output projection, MLP) for
-one token of each of B sequences, its loops split over a team of threads. The tied or separate
+one token of each of B sequences, its loops split over the kernels' own team of threads (how
+many, and how they wait: :class:`DecodeTeam`, :mod:`hybridllm.kernels.threads`). The tied or separate
 output head gets a :class:`NativeHead` (``hl_linear``). When every layer and the head are
 native, :class:`NativeModel` runs the whole token (``hl_decode_model``) in one call and one
 parallel region; otherwise (a GPU/host split) each native layer steps on its own.
@@ -55,6 +56,7 @@ import torch
 from torch import nn
 
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
+from hybridllm.kernels.threads import ThreadPolicy
 from hybridllm.kvcache.base import KVCache
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.models.fuse import ConcatLinear
@@ -122,6 +124,10 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr,
                                         ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
     library.hl_decode_model.restype = None
+    library.hl_set_spin_wait.argtypes = [i32]
+    library.hl_set_spin_wait.restype = None
+    library.hl_spin_wait.argtypes = []
+    library.hl_spin_wait.restype = i32
     return library
 
 
@@ -229,6 +235,26 @@ def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
     return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
+# ---- threads -------------------------------------------------------------------------------
+class DecodeTeam:
+    """The thread count of each native call and the kernels' wait policy, from a
+    :class:`~hybridllm.kernels.threads.ThreadPolicy` (at most PyTorch's thread count; fewer when
+    other work keeps cores busy). Shared by the steps of one model."""
+
+    def __init__(self, library: ctypes.CDLL, policy: ThreadPolicy | None = None) -> None:
+        self.library = library
+        self.policy = policy if policy is not None else ThreadPolicy()
+        self._spins: int | None = None
+
+    def threads(self) -> int:
+        """Threads for the next call (sets the library's spin-then-sleep wait to match)."""
+        choice = self.policy.team(torch.get_num_threads())
+        if choice.spins != self._spins:
+            self.library.hl_set_spin_wait(choice.spins)
+            self._spins = choice.spins
+        return choice.threads
+
+
 # ---- the rows of a decode batch ------------------------------------------------------------
 def row_caches(cache: KVCache | BatchedCaches) -> list[KVCache]:
     """The cache of each row of a decode step: a batch's own caches, or the one cache of a batch of one."""
@@ -257,7 +283,7 @@ def rotary_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
 class NativeDecodeLayer:
     """A decoder layer's one-token step in one kernel call; owns the weight copies it reads."""
 
-    def __init__(self, layer: nn.Module, library: ctypes.CDLL) -> None:
+    def __init__(self, layer: nn.Module, library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
@@ -275,6 +301,7 @@ class NativeDecodeLayer:
         # int4 block copies are real host memory: the tier accounting counts them
         self.copies = [t for view in views for t in view.keep if t.data_ptr() not in owned]
         self.library = library
+        self.team = team if team is not None else DecodeTeam(library)
         self.layer_idx = attn.layer_idx
         self.struct = HLDecoderLayer(
             views[0].struct, views[1].struct, views[2].struct, views[3].struct,
@@ -298,7 +325,7 @@ class NativeDecodeLayer:
         out = torch.empty_like(x)
         cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
         self.library.hl_decode_layer(ctypes.byref(self.struct), x.data_ptr(), out.data_ptr(), slots, rows,
-                                     cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+                                     cos.data_ptr(), sin.data_ptr(), self.team.threads())
         return out
 
     def applies(self, x: torch.Tensor, cos: torch.Tensor, cache: KVCache | BatchedCaches) -> bool:
@@ -313,15 +340,16 @@ class NativeDecodeLayer:
 class NativeHead:
     """The output head's one-row product through ``hl_linear`` (other shapes: the module itself)."""
 
-    def __init__(self, head: nn.Module, library: ctypes.CDLL) -> None:
+    def __init__(self, head: nn.Module, library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
         self.view = linear_view(head)
         self.library = library
+        self.team = team if team is not None else DecodeTeam(library)
 
     def applies(self, x: torch.Tensor) -> bool:
         return x.shape[:-1].numel() == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.view, x, library=self.library)
+        return linear(self.view, x, self.team.threads(), library=self.library)
 
 
 class NativeModel:
@@ -333,8 +361,9 @@ class NativeModel:
     """
 
     def __init__(self, final_norm: nn.Module, layers: list[NativeDecodeLayer], head: NativeHead,
-                 library: ctypes.CDLL) -> None:
+                 library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
         self.library = library
+        self.team = team if team is not None else DecodeTeam(library)
         self.layers = layers
         self.structs = (HLDecoderLayer * len(layers))(*(layer.struct for layer in layers))
         self.head = head
@@ -362,7 +391,7 @@ class NativeModel:
         cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
         self.library.hl_decode_model(self.structs, slots, n_layers, rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                      self.final_norm.weight.data_ptr(), self.final_norm.eps,
-                                     ctypes.byref(self.head.view.struct), logits.data_ptr(), torch.get_num_threads())
+                                     ctypes.byref(self.head.view.struct), logits.data_ptr(), self.team.threads())
         return logits
 
 
@@ -387,6 +416,7 @@ class NativeSteps:
     head: NativeHead | None
     whole: NativeModel | None
     report: NativeReport
+    team: DecodeTeam | None = None  # the threads and wait policy every step of the model shares
 
 
 def build_native_steps(model: nn.Module) -> NativeSteps:
@@ -400,12 +430,13 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     loaded: LoadedLibrary = load_decode_library()
     library = _declare(loaded.library)
     report = NativeReport(build_seconds=loaded.build_seconds)
+    team = DecodeTeam(library)
     layers: dict[int, NativeDecodeLayer] = {}
     for layer in model.model.layers:
         if layer.input_layernorm.weight.device.type != "cpu":
             continue
         try:
-            native = NativeDecodeLayer(layer, library)
+            native = NativeDecodeLayer(layer, library, team)
         except ValueError as exc:
             report.skipped.append(f"layer {layer.self_attn.layer_idx}: {exc}")
             continue
@@ -415,7 +446,7 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     head = None
     if model.lm_head.weight.device.type == "cpu":
         try:
-            head = NativeHead(model.lm_head, library)
+            head = NativeHead(model.lm_head, library, team)
             report.head = True
         except ValueError as exc:
             report.skipped.append(f"head: {exc}")
@@ -423,13 +454,13 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     norm = model.model.norm
     if head is not None and len(layers) == len(model.model.layers) and \
             norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu":
-        whole = NativeModel(norm, [layers[i] for i in sorted(layers)], head, library)
+        whole = NativeModel(norm, [layers[i] for i in sorted(layers)], head, library, team)
         report.whole_step = True
     if report.skipped:
         logger.info("native decode: kept the PyTorch step for %s", "; ".join(report.skipped))
-    return NativeSteps(layers, head, whole, report)
+    return NativeSteps(layers, head, whole, report, team)
 
 
-__all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "NativeSteps",
-           "attention", "build_native_steps", "float32_view", "linear", "linear_view", "pack_int4_blocks",
+__all__ = ["DecodeTeam", "KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport",
+           "NativeSteps", "attention", "build_native_steps", "float32_view", "linear", "linear_view", "pack_int4_blocks",
            "row_caches"]
