@@ -286,10 +286,27 @@ inline float sum8(__m256 v) {
 // Q4 rows: value = (q - 8) * scale + zero per group of 32, so row . x =
 //   sum_g scale_g * (q_g . x_g) + (zero_g - 8 scale_g) * sum(x_g).
 // q_g . x_g is an integer dot with the int8 copy of x; the zero-point term uses x's float sums.
-// `blocks` points at this row block's first (group) block of Q4_BLOCK bytes.
-void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* out) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  __m128 offsets = _mm_setzero_ps();
+// `blocks` points at this row block's first (group) block of Q4_BLOCK bytes. MT input rows
+// (m0 ..) at once: each group's codes are unpacked once and stay in registers for all of them,
+// while each (input row, weight row) pair gets exactly the operations, in the same order, that
+// it gets alone (MT = 1): batch-invariant. out: row m's 4 results at out + m * n_out.
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+constexpr int Q4_TILE = 4;  // 32 vector registers: 16 accumulators + 4 unpacked code rows fit
+#else
+constexpr int Q4_TILE = 2;
+#endif
+
+template <int MT>
+void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
+                  int64_t n_out) {
+  __m256 acc[MT][ROWS];
+  __m128 offsets[MT];
+  Activation a[MT];
+  for (int m = 0; m < MT; ++m) {
+    a[m] = acts.row(m0 + m);
+    offsets[m] = _mm_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) acc[m][r] = _mm256_setzero_ps();
+  }
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   alignas(16) float scales[ROWS];
   for (int64_t g = 0; g < groups; ++g) {
@@ -300,31 +317,30 @@ void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* 
     const __m128 lo = _mm256_castps256_ps128(sz), hi = _mm256_extractf128_ps(sz, 1);
     const __m128 scale = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));  // s0 s1 s2 s3
     const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
-    offsets = _mm_fmadd_ps(_mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero), _mm_set1_ps(a.sums[g]), offsets);
-    _mm_store_ps(scales, _mm_mul_ps(scale, _mm_set1_ps(a.q_scales[g] / 128.0f)));
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
-    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+    const __m128 zero_terms = _mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero);
     const uint8_t* codes = block + ROWS * 4;
-#define HL_Q4_ROW(r, acc)                                                                                   \
-  {                                                                                                         \
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (r) * 16));                  \
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low_nibbles),                   \
-                                       _mm_and_si128(c, low_nibbles));                                      \
-    const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(q, xq), 7), dot_u8_s8(q, xq_low));      \
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r]), acc);                          \
+    __m256i q[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
+      q[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low_nibbles), _mm_and_si128(c, low_nibbles));
+    }
+    for (int m = 0; m < MT; ++m) {
+      offsets[m] = _mm_fmadd_ps(zero_terms, _mm_set1_ps(a[m].sums[g]), offsets[m]);
+      _mm_store_ps(scales, _mm_mul_ps(scale, _mm_set1_ps(a[m].q_scales[g] / 128.0f)));
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + g * GROUP));
+      const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q_low + g * GROUP));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(q[r], xq), 7), dot_u8_s8(q[r], xq_low));
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r]), acc[m][r]);
+      }
+    }
   }
-    HL_Q4_ROW(0, acc0)
-    HL_Q4_ROW(1, acc1)
-    HL_Q4_ROW(2, acc2)
-    HL_Q4_ROW(3, acc3)
-#undef HL_Q4_ROW
+  for (int m = 0; m < MT; ++m) {
+    alignas(16) float offset_sums[ROWS];
+    _mm_store_ps(offset_sums, offsets[m]);
+    float* o = out + (m0 + m) * n_out;
+    for (int r = 0; r < ROWS; ++r) o[r] = sum8(acc[m][r]) + offset_sums[r];
   }
-  alignas(16) float offset_sums[ROWS];
-  _mm_store_ps(offset_sums, offsets);
-  out[0] = sum8(acc0) + offset_sums[0];
-  out[1] = sum8(acc1) + offset_sums[1];
-  out[2] = sum8(acc2) + offset_sums[2];
-  out[3] = sum8(acc3) + offset_sums[3];
 }
 
 // One group of 32 signed codes w against the two int8 digits of the activations: 8 int32
@@ -412,6 +428,14 @@ void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* 
   for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]) + offset_acc[r];
 }
 
+constexpr int Q4_TILE = 1;
+
+template <int MT>
+void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
+                  int64_t n_out) {
+  for (int m = 0; m < MT; ++m) rows_q4(blocks, acts.row(m0 + m), groups, out + (m0 + m) * n_out);
+}
+
 void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
   f32x16 acc[ROWS] = {};
   for (int64_t i = 0; i < k; i += 32) {
@@ -492,15 +516,19 @@ void linear_rows(const HLLinear& w, const ActivationRows& acts, float* out, int6
                     groups, out, n_out);
   }
   for (; n + ROWS <= n1; n += ROWS) {
+    if (w.format == FORMAT_Q4) {  // input rows in tiles that share each group's unpacked codes
+      const uint8_t* blocks = static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK;
+      int64_t m = 0;
+      for (; m + Q4_TILE <= m_rows; m += Q4_TILE) rows_q4_tile<Q4_TILE>(blocks, acts, m, groups, out + n, n_out);
+      for (; m < m_rows; ++m) rows_q4_tile<1>(blocks, acts, m, groups, out + n, n_out);
+      continue;
+    }
     for (int64_t m = 0; m < m_rows; ++m) {
       const Activation a = acts.row(m);
       float* o = out + m * n_out + n;
       switch (w.format) {
         case FORMAT_F32:
           rows_f32(static_cast<const float*>(w.weight) + n * k, a.x, k, o);
-          break;
-        case FORMAT_Q4:
-          rows_q4(static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK, a, groups, o);
           break;
         case FORMAT_Q8_ROWS:
           rows_q8(static_cast<const int8_t*>(w.weight) + n * k, a, k, o);
