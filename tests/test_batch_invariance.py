@@ -184,3 +184,22 @@ def test_default_model_16_greedy_prompts_alone_and_in_one_batch(shared_llm):
     differing = [i for i in range(len(prompts)) if alone[i] != together[i]]
     assert differing == []
     assert max(scheduler.decode_batch_sizes) == len(prompts)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("kind", ["int4", "int8_groups"])
+def test_quantized_kernels_give_the_same_bits_on_256_and_512_bit_registers(kind, rows):
+    """AVX-512 VNNI machines run the int4 rows and the Q8_0 head two rows to a 512-bit register;
+    each lane does what the 256-bit kernels (the build without AVX-512 VNNI) do, so both give
+    the same bits."""
+    from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear
+
+    try:
+        narrow = build.build_library(("-mno-avx512vnni",)).library
+    except build.KernelBuildError as exc:
+        pytest.skip(f"no build without AVX-512 VNNI here: {exc}")
+    weight = torch.randn(104, 576, generator=torch.Generator().manual_seed(1))  # 13 blocks of 8 rows
+    module = Int4Linear.from_float(weight[:96]) if kind == "int4" else Int8GroupedLinear.from_float(weight)
+    view = native.linear_view(module)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(native.linear(view, x), native.linear(view, x, library=narrow))

@@ -290,6 +290,69 @@ inline float sum8(__m256 v) {
 // (m0 ..) at once: each group's codes are unpacked once and stay in registers for all of them,
 // while each (input row, weight row) pair gets exactly the operations, in the same order, that
 // it gets alone (MT = 1): batch-invariant. out: row m's 4 results at out + m * n_out.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+constexpr int Q4_TILE = 4;
+
+// The same on 512-bit registers, two weight rows per register ([row r's 8 lanes, row r+1's 8
+// lanes]): every lane gets the very operations of the 256-bit version below, so the results
+// are the same bits; half the instructions.
+template <int MT>
+void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
+                  int64_t n_out) {
+  __m512 acc[MT][ROWS / 2];
+  __m128 offsets[MT];
+  Activation a[MT];
+  for (int m = 0; m < MT; ++m) {
+    a[m] = acts.row(m0 + m);
+    offsets[m] = _mm_setzero_ps();
+    for (int p = 0; p < ROWS / 2; ++p) acc[m][p] = _mm512_setzero_ps();
+  }
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m512i first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i second_pair = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = blocks + g * Q4_BLOCK;
+    __builtin_prefetch(block + 8 * Q4_BLOCK);
+    const __m256 sz = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))), 16));
+    const __m128 lo = _mm256_castps256_ps128(sz), hi = _mm256_extractf128_ps(sz, 1);
+    const __m128 scale = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));  // s0 s1 s2 s3
+    const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
+    const __m128 zero_terms = _mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero);
+    const uint8_t* codes = block + ROWS * 4;
+    __m512i q[ROWS / 2];  // rows (2p, 2p + 1): [low nibbles r, high nibbles r, low r + 1, high r + 1]
+    for (int p = 0; p < ROWS / 2; ++p) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32));
+      const __m512i low_high = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_and_si256(c, low_nibbles)),
+          _mm256_and_si256(_mm256_srli_epi16(c, 4), low_nibbles), 1);  // [low r, low r+1, high r, high r+1]
+      q[p] = _mm512_shuffle_i64x2(low_high, low_high, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    for (int m = 0; m < MT; ++m) {
+      offsets[m] = _mm_fmadd_ps(zero_terms, _mm_set1_ps(a[m].sums[g]), offsets[m]);
+      const __m512 scales = _mm512_castps128_ps512(_mm_mul_ps(scale, _mm_set1_ps(a[m].q_scales[g] / 128.0f)));
+      const __m512i xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + g * GROUP)));
+      const __m512i xq_low =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q_low + g * GROUP)));
+      for (int p = 0; p < ROWS / 2; ++p) {
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq), 7),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq_low));
+        const __m512 pair_scales = _mm512_permutexvar_ps(p == 0 ? first_pair : second_pair, scales);
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_scales, acc[m][p]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    alignas(16) float offset_sums[ROWS];
+    _mm_store_ps(offset_sums, offsets[m]);
+    float* o = out + (m0 + m) * n_out;
+    for (int p = 0; p < ROWS / 2; ++p) {
+      o[2 * p] = sum8(_mm512_castps512_ps256(acc[m][p])) + offset_sums[2 * p];
+      o[2 * p + 1] = sum8(_mm512_extractf32x8_ps(acc[m][p], 1)) + offset_sums[2 * p + 1];
+    }
+  }
+}
+#else
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 constexpr int Q4_TILE = 4;  // 32 vector registers: 16 accumulators + 4 unpacked code rows fit
 #else
@@ -342,6 +405,7 @@ void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0,
     for (int r = 0; r < ROWS; ++r) o[r] = sum8(acc[m][r]) + offset_sums[r];
   }
 }
+#endif
 
 // One group of 32 signed codes w against the two int8 digits of the activations: 8 int32
 // partial sums of 128 * (w . q) + w . q_low.
@@ -373,6 +437,54 @@ inline __m256i sum_each_of_8(const __m256i d[8]) {
                           _mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+// Rows n0..n1-1 (n1 - n0 a multiple of 8) of a (G, N, 32) table with (G, N) scales (the GGUF
+// Q8_0 head), group by group, for every prepared input row m: on 512-bit registers, two code
+// rows per register, their magnitudes and signs taken once for all input rows. The integer
+// dots are exact, so they equal the 256-bit version's; the float steps are the same.
+void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* slab = w + g * n_rows * GROUP;
+    const float* slab_scales = scales + g * n_rows;
+    for (int64_t n = n0; n < n1; n += 8) {
+      const int8_t* rows = slab + n * GROUP;
+      __builtin_prefetch(rows + 16 * 8 * GROUP);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 64);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 128);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 192);
+      __m512i magnitudes[4];
+      __mmask64 negative[4];
+      for (int p = 0; p < 4; ++p) {  // rows 2p and 2p + 1
+        const __m512i codes = _mm512_loadu_si512(rows + p * 2 * GROUP);
+        magnitudes[p] = _mm512_abs_epi8(codes);
+        negative[p] = _mm512_movepi8_mask(codes);
+      }
+      const __m256 row_scale_values = _mm256_loadu_ps(slab_scales + n);
+      for (int64_t m = 0; m < acts.rows(); ++m) {
+        const Activation a = acts.row(m);
+        const __m512i xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP)));
+        const __m512i xq_low =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP)));
+        __m256i dots[8];
+        for (int p = 0; p < 4; ++p) {
+          const __m512i signed_q = _mm512_mask_sub_epi8(xq, negative[p], zero, xq);  // x * sign(code)
+          const __m512i signed_low = _mm512_mask_sub_epi8(xq_low, negative[p], zero, xq_low);
+          const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, magnitudes[p], signed_q), 7),
+                                               _mm512_dpbusd_epi32(zero, magnitudes[p], signed_low));
+          dots[2 * p] = _mm512_castsi512_si256(dot);
+          dots[2 * p + 1] = _mm512_extracti64x4_epi64(dot, 1);
+        }
+        const __m256 row_scales = _mm256_mul_ps(row_scale_values, _mm256_set1_ps(a.q_scales[g] / 128.0f));
+        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
+        float* o = out + m * n_out + n;
+        _mm256_storeu_ps(o, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(o), partial));
+      }
+    }
+  }
+}
+#else
 // Rows n0..n1-1 (n1 - n0 a multiple of 8) of a (G, N, 32) table with (G, N) scales (the GGUF
 // Q8_0 head), group by group, for every prepared input row m: each group's rows are one
 // contiguous slab, so a thread reads its rows of the table as one sequential stream per group
@@ -403,6 +515,7 @@ void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows&
     }
   }
 }
+#endif
 #else
 constexpr bool QUANTIZED_ACTIVATIONS = false;  // portable float path
 
