@@ -36,14 +36,19 @@
 #include <unistd.h>
 #endif
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int32_t ABI_VERSION = 4;
+constexpr int32_t ABI_VERSION = 5;
 constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
+
+enum KVDtype : int32_t {
+  KV_F32 = 0,
+  KV_F16 = 1,  // IEEE half: read into float32 registers, float32 accumulate (no float32 copy)
+};
 
 enum WeightFormat : int32_t {
   FORMAT_F32 = 0,        // weight (N, K) float32
@@ -83,12 +88,15 @@ struct HLDecoderLayer {
   int64_t intermediate;
 };
 
-// One layer's KV buffers of one sequence ((Hkv, capacity, D) each) and the row of this step's token.
+// One layer's KV buffers of one sequence ((Hkv, capacity, D) each, float32 or float16 as kv_dtype
+// says) and the row of this step's token.
 struct HLLayerCache {
-  float* keys;
-  float* values;
+  void* keys;
+  void* values;
   int64_t capacity;
   int64_t start;
+  int32_t kv_dtype;  // KV_F32 or KV_F16
+  int32_t reserved;
 };
 
 int32_t hl_abi_version() { return ABI_VERSION; }
@@ -866,27 +874,106 @@ void rotate_half(float* h, const float* cos, const float* sin, int64_t d) {
   for (int64_t i = 0; i < d; ++i) h[i] = h[i] * cos[i] + rotated[i] * sin[i];
 }
 
+// ---- float16 KV: IEEE half <-> float32 (round to nearest even, as PyTorch's .to(float16)) ----
+inline float to_float(float v) { return v; }
+
+inline float to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+inline uint16_t to_half(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t abs = x & 0x7FFFFFFF;
+  if (abs >= 0x7F800000) return static_cast<uint16_t>(sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0));
+  if (abs >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds to infinity
+  if (abs < 0x38800000) {  // subnormal half (or zero): round abs / 2^-24 to nearest even
+    float scaled;
+    const uint32_t abs_bits = abs;
+    std::memcpy(&scaled, &abs_bits, sizeof scaled);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled * 16777216.0f)));
+  }
+  const uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1) - (112u << 23);  // rebias, round to nearest even
+  return static_cast<uint16_t>(sign | (rounded >> 13));
+#endif
+}
+
+inline f32x16 load_f32x16(const float* p) { return load<f32x16>(p); }
+
+inline f32x16 load_f32x16(const uint16_t* p) {
+  f32x16 v;
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
+#endif
+  return v;
+}
+
+// Write one head's row (d,) of k or v into a cache buffer of kv_dtype at element offset `at`.
+void store_row(void* buffer, int32_t kv_dtype, int64_t at, const float* row, int64_t d) {
+  if (kv_dtype == KV_F16) {
+    uint16_t* out = static_cast<uint16_t*>(buffer) + at;
+    for (int64_t i = 0; i < d; ++i) out[i] = to_half(row[i]);
+  } else {
+    std::memcpy(static_cast<float*>(buffer) + at, row, d * sizeof(float));
+  }
+}
+
 // scores[g * stride + t] = scale * q_g . key_t for the `group` queries sharing a KV head; each
 // key row is loaded once for all of them (GROUP_SIZE fixed so the accumulators stay in registers).
-template <int GROUP_SIZE>
-void score_chunk_fixed(const float* q, const float* keys, const float* values, int64_t len, int64_t d, float scale,
+template <int GROUP_SIZE, typename T>
+void score_chunk_fixed(const float* q, const T* keys, const T* values, int64_t len, int64_t d, float scale,
                        float* scores, int64_t stride) {
   for (int64_t t = 0; t < len; ++t) {
-    const float* key = keys + t * d;
-    for (int64_t line = 0; line < d; line += 16) {  // the rows 8 ahead, and this row's values (next pass)
+    const T* key = keys + t * d;
+    for (int64_t line = 0; line < d; line += 64 / static_cast<int64_t>(sizeof(T))) {  // rows 8 ahead; this row's values
       __builtin_prefetch(key + 8 * d + line);
       __builtin_prefetch(values + t * d + line);
     }
     f32x16 dots[GROUP_SIZE] = {};
     for (int64_t i = 0; i < d; i += 16) {
-      const f32x16 kv = load<f32x16>(key + i);
+      const f32x16 kv = load_f32x16(key + i);
       for (int g = 0; g < GROUP_SIZE; ++g) dots[g] += load<f32x16>(q + g * d + i) * kv;
     }
     for (int g = 0; g < GROUP_SIZE; ++g) scores[g * stride + t] = sum16(dots[g]) * scale;
   }
 }
 
-void score_chunk(const float* q, const float* keys, const float* values, int64_t len, int group, int64_t d,
+template <typename T>
+void score_chunk(const float* q, const T* keys, const T* values, int64_t len, int group, int64_t d,
                  float scale, float* scores, int64_t stride) {
   if (d % 16 == 0) {
     switch (group) {
@@ -902,10 +989,10 @@ void score_chunk(const float* q, const float* keys, const float* values, int64_t
     }
   }
   for (int64_t t = 0; t < len; ++t) {
-    const float* key = keys + t * d;
+    const T* key = keys + t * d;
     for (int g = 0; g < group; ++g) {
       float s = 0.0f;
-      for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * key[i];
+      for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * to_float(key[i]);
       scores[g * stride + t] = s * scale;
     }
   }
@@ -914,21 +1001,22 @@ void score_chunk(const float* q, const float* keys, const float* values, int64_t
 // acc[g * d ..] = sum_t scores[g * stride + t] * values[t] for each query g of a group: one
 // query at a time, its accumulators in registers (the chunk's value rows stay in L1/L2 between
 // the group's queries).
-template <int VECS>
-void accumulate_values_fixed(const float* values, int64_t len, int group, const float* scores, int64_t stride,
+template <int VECS, typename T>
+void accumulate_values_fixed(const T* values, int64_t len, int group, const float* scores, int64_t stride,
                              float* acc) {
   for (int g = 0; g < group; ++g) {
     f32x16 a[VECS] = {};
     const float* p = scores + g * stride;
     for (int64_t t = 0; t < len; ++t) {
-      const float* value = values + t * 16 * VECS;
-      for (int i = 0; i < VECS; ++i) a[i] += load<f32x16>(value + 16 * i) * p[t];
+      const T* value = values + t * 16 * VECS;
+      for (int i = 0; i < VECS; ++i) a[i] += load_f32x16(value + 16 * i) * p[t];
     }
     std::memcpy(acc + g * 16 * VECS, a, sizeof a);
   }
 }
 
-void accumulate_values(const float* values, int64_t len, int group, int64_t d, const float* scores, int64_t stride,
+template <typename T>
+void accumulate_values(const T* values, int64_t len, int group, int64_t d, const float* scores, int64_t stride,
                        float* acc) {
   switch (d) {
     case 32: return accumulate_values_fixed<2>(values, len, group, scores, stride, acc);
@@ -940,7 +1028,7 @@ void accumulate_values(const float* values, int64_t len, int group, int64_t d, c
   std::fill(acc, acc + group * d, 0.0f);
   for (int g = 0; g < group; ++g)
     for (int64_t t = 0; t < len; ++t)
-      for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * stride + t] * values[t * d + i];
+      for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * stride + t] * to_float(values[t * d + i]);
 }
 
 // How one row's attention over `total` tokens is cut into work items (kv head, token chunk):
@@ -983,7 +1071,8 @@ struct Workspace {
 
 // One token's grouped-query attention of work item `item` (kv head, token chunk) of a row:
 // its running max, sum and weighted values per query head of the group.
-void attention_item(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
+template <typename T>
+void attention_item(const float* q, const T* k_cache, const T* v_cache, int64_t capacity, int64_t total,
                     int group, int64_t d, const AttentionSplit& split, int64_t item, float* part_out,
                     float* part_max, float* part_sum, std::vector<float>& scores) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -992,8 +1081,8 @@ void attention_item(const float* q, const float* k_cache, const float* v_cache, 
   const int64_t kv_head = item / split.n_chunks;
   const int64_t t0 = (item % split.n_chunks) * chunk;
   const int64_t len = std::min(total, t0 + chunk) - t0;
-  const float* keys = k_cache + kv_head * capacity * d;
-  const float* values = v_cache + kv_head * capacity * d;
+  const T* keys = k_cache + kv_head * capacity * d;
+  const T* values = v_cache + kv_head * capacity * d;
   score_chunk(q + kv_head * group * d, keys + t0 * d, values + t0 * d, len, group, d, scale, scores.data(), chunk);
   for (int g = 0; g < group; ++g) {
     float* s = scores.data() + g * chunk;
@@ -1052,9 +1141,15 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
     while (i >= offsets[r] + AttentionSplit(caches[r].start + 1, n_kv_heads).items) ++r;
     const HLLayerCache& c = caches[r];
     const AttentionSplit split(c.start + 1, n_kv_heads);
-    attention_item(q + r * q_stride, c.keys, c.values, c.capacity, c.start + 1, group, d, split,
-                   i - offsets[r], ws.part_out.data() + r * row_items * group * d,
-                   ws.part_max.data() + r * row_items * group, ws.part_sum.data() + r * row_items * group, scores);
+    float* part_out = ws.part_out.data() + r * row_items * group * d;
+    float* part_max = ws.part_max.data() + r * row_items * group;
+    float* part_sum = ws.part_sum.data() + r * row_items * group;
+    if (c.kv_dtype == KV_F16)
+      attention_item(q + r * q_stride, static_cast<const uint16_t*>(c.keys), static_cast<const uint16_t*>(c.values),
+                     c.capacity, c.start + 1, group, d, split, i - offsets[r], part_out, part_max, part_sum, scores);
+    else
+      attention_item(q + r * q_stride, static_cast<const float*>(c.keys), static_cast<const float*>(c.values),
+                     c.capacity, c.start + 1, group, d, split, i - offsets[r], part_out, part_max, part_sum, scores);
   }
   team.barrier();  // every item is done
   const Share heads(rows * n_heads, team);
@@ -1092,9 +1187,9 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
     const HLLayerCache& c = caches[r];
     for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos + r * d, sin + r * d, d);
     for (int64_t kv_head = 0; kv_head < w.n_kv_heads; ++kv_head) {
-      std::memcpy(c.keys + (kv_head * c.capacity + c.start) * d, qkv + q_size + kv_head * d, d * sizeof(float));
-      std::memcpy(c.values + (kv_head * c.capacity + c.start) * d, qkv + q_size + kv_size + kv_head * d,
-                  d * sizeof(float));
+      const int64_t row = (kv_head * c.capacity + c.start) * d;
+      store_row(c.keys, c.kv_dtype, row, qkv + q_size + kv_head * d, d);
+      store_row(c.values, c.kv_dtype, row, qkv + q_size + kv_size + kv_head * d, d);
     }
   }
   team.barrier();
@@ -1136,15 +1231,16 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
   run_team(n_threads, [&](const Team& team) { linear_team(team, *w, x, out, rows); });
 }
 
-// Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens -> out (H, D).
-void hl_attention(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
-                  int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float* out, int32_t n_threads) {
+// Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens (float32 or
+// float16, kv_dtype) -> out (H, D).
+void hl_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_dtype, int64_t capacity,
+                  int64_t total, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float* out, int32_t n_threads) {
   HLDecoderLayer shape{};
   shape.n_heads = n_heads;
   shape.n_kv_heads = n_kv_heads;
   shape.head_dim = head_dim;
   Workspace ws(shape, 1);
-  const HLLayerCache cache{const_cast<float*>(k_cache), const_cast<float*>(v_cache), capacity, total - 1};
+  const HLLayerCache cache{const_cast<void*>(k_cache), const_cast<void*>(v_cache), capacity, total - 1, kv_dtype, 0};
   run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
     attention_team(team, q, 0, &cache, 1, n_heads, n_kv_heads, head_dim, out, ws, scores);

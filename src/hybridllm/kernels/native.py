@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32
 FORMAT_F32, FORMAT_Q4, FORMAT_Q8_ROWS, FORMAT_Q8_GROUPS = 0, 1, 2, 3
+KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # decode.cpp's KVDtype: the KV the kernels read as stored
 MAX_HEAD_DIM = 512  # decode.cpp's rotary scratch
 
 
@@ -104,6 +105,8 @@ class HLLayerCache(ctypes.Structure):
         ("values", ctypes.c_void_p),
         ("capacity", ctypes.c_int64),
         ("start", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -116,7 +119,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     library.hl_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i64, i32]
     library.hl_linear.restype = None
-    library.hl_attention.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr, i32]
+    library.hl_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, ptr, i32]
     library.hl_attention.restype = None
     library.hl_decode_layer.argtypes = [ctypes.POINTER(HLDecoderLayer), ptr, ptr, ctypes.POINTER(HLLayerCache), i64,
                                         ptr, ptr, i32]
@@ -138,14 +141,16 @@ def kernels() -> ctypes.CDLL:
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, total: int, threads: int | None = None,
               library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """One token's queries q (H, D) over the first ``total`` rows of keys/values (Hkv, capacity, D),
-    all float32 -> (H, D): ``hl_attention``, the kernel inside every native layer step."""
+    """One token's queries q (H, D) over the first ``total`` rows of keys/values (Hkv, capacity, D)
+    -> (H, D) float32: ``hl_attention``, the kernel inside every native layer step. Keys and
+    values in float16 are read as they are (float32 accumulation), anything else as float32."""
     library = _declare(library) if library is not None else kernels()
-    q, keys, values = q.float().contiguous(), keys.float().contiguous(), values.float().contiguous()
+    kv_dtype = keys.dtype if keys.dtype in KV_DTYPES else torch.float32
+    q, keys, values = q.float().contiguous(), keys.to(kv_dtype).contiguous(), values.to(kv_dtype).contiguous()
     (n_heads, head_dim), (n_kv_heads, capacity, _) = q.shape, keys.shape
     out = torch.empty_like(q)
-    library.hl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), capacity, total, n_heads, n_kv_heads,
-                         head_dim, out.data_ptr(), threads or torch.get_num_threads())
+    library.hl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), KV_DTYPES[kv_dtype], capacity, total,
+                         n_heads, n_kv_heads, head_dim, out.data_ptr(), threads or torch.get_num_threads())
     return out
 
 
@@ -272,6 +277,7 @@ def claim_slots(caches: list[KVCache], layer_idx: int, out: ctypes.Array) -> Non
         slot = cache.in_place_slot(layer_idx, 1)
         entry.keys, entry.values = slot.keys.data_ptr(), slot.values.data_ptr()
         entry.capacity, entry.start = slot.keys.shape[2], slot.start
+        entry.kv_dtype = KV_DTYPES[slot.keys.dtype]
 
 
 def rotary_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
