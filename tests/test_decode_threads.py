@@ -116,3 +116,8 @@ def test_decode_beside_a_busy_core_gives_the_same_tokens(tiny_models):
         busy.wait()
     assert loaded == [idle, idle]
     assert torch.get_num_threads() == 2  # the process's own setting is left alone
+
+
+def test_a_fixed_team_uses_the_requested_threads():
+    assert threads.FixedTeam().team(3) == TeamChoice(3, SPIN_FREE)
+    assert threads.FixedTeam().team(0) == TeamChoice(1, SPIN_FREE)

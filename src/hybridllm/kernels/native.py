@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
-from hybridllm.kernels.threads import ThreadPolicy
+from hybridllm.kernels.threads import FixedTeam, ThreadPolicy
 from hybridllm.kvcache.base import KVCache
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.models.fuse import ConcatLinear
@@ -246,7 +246,7 @@ class DecodeTeam:
     :class:`~hybridllm.kernels.threads.ThreadPolicy` (at most PyTorch's thread count; fewer when
     other work keeps cores busy). Shared by the steps of one model."""
 
-    def __init__(self, library: ctypes.CDLL, policy: ThreadPolicy | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL, policy: ThreadPolicy | FixedTeam | None = None) -> None:
         self.library = library
         self.policy = policy if policy is not None else ThreadPolicy()
         self._spins: int | None = None

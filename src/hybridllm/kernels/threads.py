@@ -128,6 +128,16 @@ class ThreadPolicy:
         return choose_team(requested, len(self.cpus), self.busy_elsewhere)
 
 
+class FixedTeam:
+    """A policy that always gives a step the requested threads, spinning as on a free machine
+    (for benchmarks that compare kernels rather than the machine's load)."""
+
+    busy_elsewhere = 0.0
+
+    def team(self, requested: int) -> TeamChoice:
+        return TeamChoice(max(1, requested), SPIN_FREE)
+
+
 @dataclass(frozen=True)
 class MachineLoad:
     """How busy the machine is with other work (for ``doctor`` and the bench output)."""
@@ -168,4 +178,4 @@ def measure_machine_load(window_s: float = 0.25) -> MachineLoad:
     return MachineLoad(len(cpus), busy, load_average)
 
 
-__all__ = ["MachineLoad", "TeamChoice", "ThreadPolicy", "choose_team", "measure_machine_load"]
+__all__ = ["FixedTeam", "MachineLoad", "TeamChoice", "ThreadPolicy", "choose_team", "measure_machine_load"]
