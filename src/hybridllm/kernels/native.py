@@ -249,14 +249,13 @@ class DecodeTeam:
     def __init__(self, library: ctypes.CDLL, policy: ThreadPolicy | FixedTeam | None = None) -> None:
         self.library = library
         self.policy = policy if policy is not None else ThreadPolicy()
-        self._spins: int | None = None
 
     def threads(self) -> int:
-        """Threads for the next call (sets the library's spin-then-sleep wait to match)."""
+        """Threads for the next call (sets the library's spin-then-sleep wait to match; the
+        library's team is shared by every model in the process)."""
         choice = self.policy.team(torch.get_num_threads())
-        if choice.spins != self._spins:
+        if self.library.hl_spin_wait() != choice.spins:
             self.library.hl_set_spin_wait(choice.spins)
-            self._spins = choice.spins
         return choice.threads
 
 
