@@ -1,11 +1,11 @@
 """Where a native decode step spends its time, phase by phase (a layer's norm, q/k/v, attention ...).
 
-    python tools/profile_native.py --context 512 [--steps 100] [--threads 2] [--model PATH]
+    python tools/profile_native.py --context 512 [--steps 100] [--threads 2] [--batch 1] [--model PATH]
 
 Builds the kernels with ``-DHL_PROFILE`` (thread 0 accumulates the time between the phases'
 barriers with ``omp_get_wtime``; the default build has no timers), loads ``LLM(weights="auto")``
 on it, prefills a random prompt of ``--context`` tokens and times ``--steps`` decode steps
-(the runner on one token; no sampler). "between steps" is everything outside the kernel
+(the runner on one token per sequence, ``--batch`` sequences in one call; no sampler). "between steps" is everything outside the kernel
 call: the embedding lookup, the rotary tables, claiming the cache rows, Python.
 """
 
@@ -19,6 +19,7 @@ import torch
 
 from hybridllm import LLM
 from hybridllm.kernels import build, native
+from hybridllm.kvcache.batch import BatchedCaches
 
 PHASES = ("between steps", "norm", "q/k/v", "rotary + cache write", "attention", "o_proj", "residual + norm",
           "gate/up", "SiLU", "down", "residual", "final norm", "head")
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (each its own cache)")
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
     profiled = build.build_library(("-DHL_PROFILE",))
@@ -37,28 +39,30 @@ def main() -> None:
     model = llm.runner
     if not model.report.build.whole_step:
         raise SystemExit(f"the model has no whole native decode step ({model.report.build.skipped})")
-    cache = llm.new_cache()
-    cache.reserve(args.context + args.steps + 16)
+    caches = [llm.new_cache() for _ in range(args.batch)]
     seeded = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(llm.config.vocab_size, 20000), (1, args.context), generator=seeded)
-    token = torch.tensor([[5]])
+    token = torch.full((args.batch, 1), 5)  # (B, 1)
     with torch.inference_mode():
-        for start in range(0, args.context, 512):
-            model(ids[:, start:start + 512], cache, start)
+        for cache in caches:
+            cache.reserve(args.context + args.steps + 16)
+            for start in range(0, args.context, 512):
+                model(ids[:, start:start + 512], cache, start)
+        cache = BatchedCaches(caches)
         for _ in range(8):  # warm-up
-            model(token, cache, cache.seq_length)
+            model(token, cache, cache.start_positions())
         profiled.library.hl_phase_seconds.restype = ctypes.POINTER(ctypes.c_double)
         seconds = profiled.library.hl_phase_seconds()
         for i in range(len(PHASES)):
             seconds[i] = 0.0
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            model(token, cache, cache.seq_length)
+            model(token, cache, cache.start_positions())
         wall = (time.perf_counter() - t0) / args.steps
     layers = llm.config.n_layers
-    print(f"context {args.context}, {args.threads} threads, weights auto: {wall * 1e3:.2f} ms/token "
-          f"({1 / wall:.1f} tok/s) with the timers on")
-    print("| phase | ms/token | us/layer | share |")
+    print(f"context {args.context}, {args.threads} threads, batch {args.batch}, weights auto: {wall * 1e3:.2f} ms/step "
+          f"({args.batch / wall:.1f} tok/s) with the timers on")
+    print("| phase | ms/step | us/layer | share |")
     print("| --- | --- | --- | --- |")
     for i, name in enumerate(PHASES):
         per_token = seconds[i] / args.steps

@@ -379,6 +379,7 @@ class KVConfig:
     vram_budget: int | str | None = None
     kv_threshold: float = 0.95
     kv_adaptive: bool = True  # re-plan (shrink the hot window, decode on the host) instead of failing
+    kv_dtype: str = "auto"  # dynamic: the dtype tokens are stored in ("auto": the compute dtype; float32; float16)
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_STRATEGIES:
@@ -398,3 +399,7 @@ class KVConfig:
             raise ConfigError(f"kv_offload_percent must be in [0, 100], got {self.kv_offload_percent}")
         if not 0 < self.kv_threshold <= 1:
             raise ConfigError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")
+        if self.kv_dtype not in ("auto", "float32", "float16"):
+            raise ConfigError(f"kv_dtype must be auto, float32 or float16, got {self.kv_dtype!r}")
+        if self.kv_dtype != "auto" and self.kv_cache != "dynamic":
+            raise ConfigError(f"--kv-dtype {self.kv_dtype} applies to the dynamic KV cache only, not {self.kv_cache}")

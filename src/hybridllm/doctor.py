@@ -193,6 +193,9 @@ def diagnose(model: Path | None = None, threads: int | None = None, quick: bool 
     """Measure the machine, run the checks, and (with a model) say whether its weights fit."""
     from hybridllm.planner.engine_probe import probe_machine
 
+    from hybridllm.kernels.threads import measure_machine_load
+
+    load = measure_machine_load()  # before the probe loads the CPUs itself
     model_path, model_info, cfg = _model_file(model)
     profile = probe_machine(threads=threads, model_path=model_path, quick=quick, model_config=cfg)
     gpu = profile.gpu
@@ -201,6 +204,8 @@ def diagnose(model: Path | None = None, threads: int | None = None, quick: bool 
         "profile": profile.to_dict(),
         "checks": [asdict(c) for c in checks],
         "summary": {s: sum(c.status == s for c in checks) for s in (OK, WARN, UNKNOWN)},
+        "cpu_load": {**asdict(load), "loaded": load.loaded, "decode_threads": load.decode_threads,
+                     "line": load.line()},
     }
     if model_info is not None:
         report["model"] = model_info
@@ -263,6 +268,8 @@ def print_report(report: dict[str, Any]) -> None:
         meas.add_row("decode bandwidth (model)", f"{p['model_gemv_gbs']:.1f} GB/s at {d['model']}'s matrix shapes "
                      f"in {d['dtype']} (layers {d['layers']:.1f}, head {d['head']:.1f}); 512-token prefill chunk "
                      f"{d['prefill_flops'] / 1e9:.1f} GFLOP/s; the planner uses these")
+    if report.get("cpu_load"):
+        meas.add_row("CPU load", report["cpu_load"]["line"])
     meas.add_row("host matmul", f"{p['host_flops'] / 1e9:.1f} GFLOP/s")
     meas.add_row("decode overhead (CPU)", f"{p['host_layer_overhead_s'] * 1e6:.0f} us per layer, "
                  f"{p['host_token_overhead_s'] * 1e6:.0f} us per token")

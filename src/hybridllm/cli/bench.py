@@ -163,6 +163,10 @@ def bench(
                   prefill_chunk=model.prefill_chunk, weights=weights, llm_options=llm_options)
     model_window(BenchConfig(**common))  # a missing or unreadable model fails here, before the sweep
     grid = presets.build_preset_grid(settings, **common)
+    from hybridllm.kernels.threads import measure_machine_load
+
+    machine_load = measure_machine_load()  # other work's share of the CPUs: figures from a loaded machine are low
+    typer.echo(f"CPU: {machine_load.line()}", err=True)
     started, load_start = dt.datetime.now(dt.UTC), os.getloadavg()[0]
     rows = run_sweep(grid, timeout_s=timeout, progress=True)
 
@@ -190,7 +194,8 @@ def bench(
                 "dtype": model.dtype, "kv_options": kv_options, "llm_options": llm_options, "weights": weights,
                 "host_read_gbs": bandwidth_gbs, "device_bandwidth_gbs": device_bandwidth_gbs,
                 "command": shlex.join(["hybridllm", *sys.argv[1:]]),
-                "started": started.isoformat(timespec="seconds"), "load_average": [load_start, os.getloadavg()[0]]}
+                "started": started.isoformat(timespec="seconds"), "load_average": [load_start, os.getloadavg()[0]],
+                "cpu_busy_elsewhere": machine_load.busy_elsewhere, "machine_loaded": machine_load.loaded}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
     if csv_out is not None:

@@ -41,6 +41,7 @@ KVCache = Annotated[str, typer.Option("--kv-cache", help="KV strategy: dynamic, 
 KVPageSize = Annotated[int, typer.Option("--kv-page-size", help="Tokens per KV page.", rich_help_panel=KV_PANEL)]
 KVHotWindow = Annotated[int, typer.Option("--kv-hot-window", help="tiered: newest tokens kept on the device.", rich_help_panel=KV_PANEL)]
 KVSinkTokens = Annotated[int, typer.Option("--kv-sink-tokens", help="tiered: first tokens kept on the device (attention sinks).", rich_help_panel=KV_PANEL)]
+KVDtype = Annotated[str, typer.Option("--kv-dtype", help="dynamic: dtype the KV is stored in: auto (the compute dtype), float32, or float16 (half the bytes; native decode reads it directly, float32 accumulate).", rich_help_panel=KV_PANEL)]
 KVColdBits = Annotated[int, typer.Option("--kv-cold-bits", help="tiered: bits of cold pages in host RAM: 16, 8 or 4.", rich_help_panel=KV_PANEL)]
 KVBits = Annotated[int, typer.Option("--kv-bits", help="quantized: 8 or 4.", rich_help_panel=KV_PANEL)]
 KVResidual = Annotated[int, typer.Option("--kv-residual", help="quantized: newest tokens kept in full precision.", rich_help_panel=KV_PANEL)]
@@ -92,6 +93,7 @@ class KVOptions:
     vram_budget: VramBudget = None
     kv_adaptive: KVAdaptive = True
     kv_threshold: KVThreshold = 0.95
+    kv_dtype: KVDtype = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

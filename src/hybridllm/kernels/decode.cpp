@@ -1,7 +1,11 @@
-// Native CPU kernels for one decode step (batch 1, one token) of a Llama-family layer.
+// Native CPU kernels for one decode step (one token for each of B sequences) of a Llama-family
+// model. Batch-invariant: each sequence's arithmetic, summation order included, is the same
+// alone or in any batch, at any position in it, on any number of threads; the batch shares each
+// weight matrix's read (decode is bound by the bandwidth of reading the weights).
 //
 // Built at run time by hybridllm.kernels.build with the host's C++ compiler
-// (-O3 -march=native -fopenmp) and called through ctypes by hybridllm.kernels.native.
+// (-O3 -march=native -fopenmp-simd -pthread) and called through ctypes by hybridllm.kernels.native.
+// Threads: the library's own persistent team (see ThreadPool), spin-then-sleep waits.
 // No PyTorch headers: every tensor arrives as a raw pointer plus its sizes, and the structs
 // below mirror the ctypes.Structure classes in native.py field for field (ABI_VERSION guards
 // that pairing).
@@ -14,21 +18,37 @@
 // float32 in registers. Nothing is ever stored dequantized.
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <type_traits>
 #include <vector>
 
-#include <omp.h>
+#include <pthread.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int32_t ABI_VERSION = 2;
+constexpr int32_t ABI_VERSION = 5;
 constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
+
+enum KVDtype : int32_t {
+  KV_F32 = 0,
+  KV_F16 = 1,  // IEEE half: read into float32 registers, float32 accumulate (no float32 copy)
+};
 
 enum WeightFormat : int32_t {
   FORMAT_F32 = 0,        // weight (N, K) float32
@@ -68,15 +88,22 @@ struct HLDecoderLayer {
   int64_t intermediate;
 };
 
-// One layer's KV buffers ((Hkv, capacity, D) each, batch 1) and the row of this step's token.
+// One layer's KV buffers of one sequence ((Hkv, capacity, D) each, float32 or float16 as kv_dtype
+// says) and the row of this step's token.
 struct HLLayerCache {
-  float* keys;
-  float* values;
+  void* keys;
+  void* values;
   int64_t capacity;
   int64_t start;
+  int32_t kv_dtype;  // KV_F32 or KV_F16
+  int32_t reserved;
 };
 
 int32_t hl_abi_version() { return ABI_VERSION; }
+
+// How long a waiting thread spins (in pause instructions) before it sleeps; 0: sleep at once.
+void hl_set_spin_wait(int32_t spins);
+int32_t hl_spin_wait();
 
 }  // extern "C"
 
@@ -86,18 +113,21 @@ namespace {
 enum Phase { BETWEEN_STEPS, NORM, QKV, ROPE_KV, ATTENTION, O_PROJ, RESIDUAL_NORM, GATE_UP, SILU, DOWN, RESIDUAL,
              FINAL_NORM, HEAD, N_PHASES };
 #ifdef HL_PROFILE
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 double phase_seconds[N_PHASES];  // accumulated by thread 0 (the others wait at the same barriers)
 double phase_mark = 0.0;
-#define PHASE_END(phase)                                         \
+#define PHASE_END(team, phase)                                   \
   do {                                                           \
-    if (omp_get_thread_num() == 0) {                             \
-      const double now = omp_get_wtime();                        \
+    if ((team).thread == 0) {                                    \
+      const double now = seconds_now();                          \
       if (phase_mark > 0.0) phase_seconds[phase] += now - phase_mark; \
       phase_mark = now;                                          \
     }                                                            \
   } while (0)
 #else
-#define PHASE_END(phase) \
+#define PHASE_END(team, phase) \
   do {                   \
   } while (0)
 #endif
@@ -264,10 +294,90 @@ inline float sum8(__m256 v) {
 // Q4 rows: value = (q - 8) * scale + zero per group of 32, so row . x =
 //   sum_g scale_g * (q_g . x_g) + (zero_g - 8 scale_g) * sum(x_g).
 // q_g . x_g is an integer dot with the int8 copy of x; the zero-point term uses x's float sums.
-// `blocks` points at this row block's first (group) block of Q4_BLOCK bytes.
-void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* out) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  __m128 offsets = _mm_setzero_ps();
+// `blocks` points at this row block's first (group) block of Q4_BLOCK bytes. MT input rows
+// (m0 ..) at once: each group's codes are unpacked once and stay in registers for all of them,
+// while each (input row, weight row) pair gets exactly the operations, in the same order, that
+// it gets alone (MT = 1): batch-invariant. out: row m's 4 results at out + m * n_out.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+constexpr int Q4_TILE = 4;
+
+// The same on 512-bit registers, two weight rows per register ([row r's 8 lanes, row r+1's 8
+// lanes]): every lane gets the very operations of the 256-bit version below, so the results
+// are the same bits; half the instructions.
+template <int MT>
+void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
+                  int64_t n_out) {
+  __m512 acc[MT][ROWS / 2];
+  __m128 offsets[MT];
+  Activation a[MT];
+  for (int m = 0; m < MT; ++m) {
+    a[m] = acts.row(m0 + m);
+    offsets[m] = _mm_setzero_ps();
+    for (int p = 0; p < ROWS / 2; ++p) acc[m][p] = _mm512_setzero_ps();
+  }
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  const __m512i first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i second_pair = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = blocks + g * Q4_BLOCK;
+    __builtin_prefetch(block + 8 * Q4_BLOCK);
+    const __m256 sz = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))), 16));
+    const __m128 lo = _mm256_castps256_ps128(sz), hi = _mm256_extractf128_ps(sz, 1);
+    const __m128 scale = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));  // s0 s1 s2 s3
+    const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
+    const __m128 zero_terms = _mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero);
+    const uint8_t* codes = block + ROWS * 4;
+    __m512i q[ROWS / 2];  // rows (2p, 2p + 1): [low nibbles r, high nibbles r, low r + 1, high r + 1]
+    for (int p = 0; p < ROWS / 2; ++p) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32));
+      const __m512i low_high = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_and_si256(c, low_nibbles)),
+          _mm256_and_si256(_mm256_srli_epi16(c, 4), low_nibbles), 1);  // [low r, low r+1, high r, high r+1]
+      q[p] = _mm512_shuffle_i64x2(low_high, low_high, _MM_SHUFFLE(3, 1, 2, 0));
+    }
+    for (int m = 0; m < MT; ++m) {
+      offsets[m] = _mm_fmadd_ps(zero_terms, _mm_set1_ps(a[m].sums[g]), offsets[m]);
+      const __m512 scales = _mm512_castps128_ps512(_mm_mul_ps(scale, _mm_set1_ps(a[m].q_scales[g] / 128.0f)));
+      const __m512i xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + g * GROUP)));
+      const __m512i xq_low =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q_low + g * GROUP)));
+      for (int p = 0; p < ROWS / 2; ++p) {
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq), 7),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq_low));
+        const __m512 pair_scales = _mm512_permutexvar_ps(p == 0 ? first_pair : second_pair, scales);
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_scales, acc[m][p]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    alignas(16) float offset_sums[ROWS];
+    _mm_store_ps(offset_sums, offsets[m]);
+    float* o = out + (m0 + m) * n_out;
+    for (int p = 0; p < ROWS / 2; ++p) {
+      o[2 * p] = sum8(_mm512_castps512_ps256(acc[m][p])) + offset_sums[2 * p];
+      o[2 * p + 1] = sum8(_mm512_extractf32x8_ps(acc[m][p], 1)) + offset_sums[2 * p + 1];
+    }
+  }
+}
+#else
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+constexpr int Q4_TILE = 4;  // 32 vector registers: 16 accumulators + 4 unpacked code rows fit
+#else
+constexpr int Q4_TILE = 2;
+#endif
+
+template <int MT>
+void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
+                  int64_t n_out) {
+  __m256 acc[MT][ROWS];
+  __m128 offsets[MT];
+  Activation a[MT];
+  for (int m = 0; m < MT; ++m) {
+    a[m] = acts.row(m0 + m);
+    offsets[m] = _mm_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) acc[m][r] = _mm256_setzero_ps();
+  }
   const __m128i low_nibbles = _mm_set1_epi8(0x0F);
   alignas(16) float scales[ROWS];
   for (int64_t g = 0; g < groups; ++g) {
@@ -278,32 +388,32 @@ void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* 
     const __m128 lo = _mm256_castps256_ps128(sz), hi = _mm256_extractf128_ps(sz, 1);
     const __m128 scale = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));  // s0 s1 s2 s3
     const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
-    offsets = _mm_fmadd_ps(_mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero), _mm_set1_ps(a.sums[g]), offsets);
-    _mm_store_ps(scales, _mm_mul_ps(scale, _mm_set1_ps(a.q_scales[g] / 128.0f)));
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
-    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+    const __m128 zero_terms = _mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero);
     const uint8_t* codes = block + ROWS * 4;
-#define HL_Q4_ROW(r, acc)                                                                                   \
-  {                                                                                                         \
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (r) * 16));                  \
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low_nibbles),                   \
-                                       _mm_and_si128(c, low_nibbles));                                      \
-    const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(q, xq), 7), dot_u8_s8(q, xq_low));      \
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r]), acc);                          \
+    __m256i q[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
+      q[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low_nibbles), _mm_and_si128(c, low_nibbles));
+    }
+    for (int m = 0; m < MT; ++m) {
+      offsets[m] = _mm_fmadd_ps(zero_terms, _mm_set1_ps(a[m].sums[g]), offsets[m]);
+      _mm_store_ps(scales, _mm_mul_ps(scale, _mm_set1_ps(a[m].q_scales[g] / 128.0f)));
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + g * GROUP));
+      const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q_low + g * GROUP));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(q[r], xq), 7), dot_u8_s8(q[r], xq_low));
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r]), acc[m][r]);
+      }
+    }
   }
-    HL_Q4_ROW(0, acc0)
-    HL_Q4_ROW(1, acc1)
-    HL_Q4_ROW(2, acc2)
-    HL_Q4_ROW(3, acc3)
-#undef HL_Q4_ROW
+  for (int m = 0; m < MT; ++m) {
+    alignas(16) float offset_sums[ROWS];
+    _mm_store_ps(offset_sums, offsets[m]);
+    float* o = out + (m0 + m) * n_out;
+    for (int r = 0; r < ROWS; ++r) o[r] = sum8(acc[m][r]) + offset_sums[r];
   }
-  alignas(16) float offset_sums[ROWS];
-  _mm_store_ps(offset_sums, offsets);
-  out[0] = sum8(acc0) + offset_sums[0];
-  out[1] = sum8(acc1) + offset_sums[1];
-  out[2] = sum8(acc2) + offset_sums[2];
-  out[3] = sum8(acc3) + offset_sums[3];
 }
+#endif
 
 // One group of 32 signed codes w against the two int8 digits of the activations: 8 int32
 // partial sums of 128 * (w . q) + w . q_low.
@@ -335,15 +445,15 @@ inline __m256i sum_each_of_8(const __m256i d[8]) {
                           _mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 // Rows n0..n1-1 (n1 - n0 a multiple of 8) of a (G, N, 32) table with (G, N) scales (the GGUF
-// Q8_0 head), group by group: each group's rows are one contiguous slab, so a thread reads its
-// rows of the table as one sequential stream per group; out accumulates across groups.
-void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, int64_t n0, int64_t n1,
-                     int64_t n_rows, int64_t groups, float* out) {
+// Q8_0 head), group by group, for every prepared input row m: on 512-bit registers, two code
+// rows per register, their magnitudes and signs taken once for all input rows. The integer
+// dots are exact, so they equal the 256-bit version's; the float steps are the same.
+void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
+  const __m512i zero = _mm512_setzero_si512();
   for (int64_t g = 0; g < groups; ++g) {
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
-    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
-    const __m256 x_scale = _mm256_set1_ps(a.q_scales[g] / 128.0f);
     const int8_t* slab = w + g * n_rows * GROUP;
     const float* slab_scales = scales + g * n_rows;
     for (int64_t n = n0; n < n1; n += 8) {
@@ -352,14 +462,68 @@ void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, 
       __builtin_prefetch(rows + 16 * 8 * GROUP + 64);
       __builtin_prefetch(rows + 16 * 8 * GROUP + 128);
       __builtin_prefetch(rows + 16 * 8 * GROUP + 192);
-      __m256i dots[8];
-      for (int r = 0; r < 8; ++r) dots[r] = dot_s8_s8(rows + r * GROUP, xq, xq_low);
-      const __m256 row_scales = _mm256_mul_ps(_mm256_loadu_ps(slab_scales + n), x_scale);
-      const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
-      _mm256_storeu_ps(out + n, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(out + n), partial));
+      __m512i magnitudes[4];
+      __mmask64 negative[4];
+      for (int p = 0; p < 4; ++p) {  // rows 2p and 2p + 1
+        const __m512i codes = _mm512_loadu_si512(rows + p * 2 * GROUP);
+        magnitudes[p] = _mm512_abs_epi8(codes);
+        negative[p] = _mm512_movepi8_mask(codes);
+      }
+      const __m256 row_scale_values = _mm256_loadu_ps(slab_scales + n);
+      for (int64_t m = 0; m < acts.rows(); ++m) {
+        const Activation a = acts.row(m);
+        const __m512i xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP)));
+        const __m512i xq_low =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP)));
+        __m256i dots[8];
+        for (int p = 0; p < 4; ++p) {
+          const __m512i signed_q = _mm512_mask_sub_epi8(xq, negative[p], zero, xq);  // x * sign(code)
+          const __m512i signed_low = _mm512_mask_sub_epi8(xq_low, negative[p], zero, xq_low);
+          const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, magnitudes[p], signed_q), 7),
+                                               _mm512_dpbusd_epi32(zero, magnitudes[p], signed_low));
+          dots[2 * p] = _mm512_castsi512_si256(dot);
+          dots[2 * p + 1] = _mm512_extracti64x4_epi64(dot, 1);
+        }
+        const __m256 row_scales = _mm256_mul_ps(row_scale_values, _mm256_set1_ps(a.q_scales[g] / 128.0f));
+        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
+        float* o = out + m * n_out + n;
+        _mm256_storeu_ps(o, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(o), partial));
+      }
     }
   }
 }
+#else
+// Rows n0..n1-1 (n1 - n0 a multiple of 8) of a (G, N, 32) table with (G, N) scales (the GGUF
+// Q8_0 head), group by group, for every prepared input row m: each group's rows are one
+// contiguous slab, so a thread reads its rows of the table as one sequential stream per group
+// (each block of 8 rows once for all input rows); out (M, n_out) accumulates across groups.
+void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* slab = w + g * n_rows * GROUP;
+    const float* slab_scales = scales + g * n_rows;
+    for (int64_t n = n0; n < n1; n += 8) {
+      const int8_t* rows = slab + n * GROUP;
+      __builtin_prefetch(rows + 16 * 8 * GROUP);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 64);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 128);
+      __builtin_prefetch(rows + 16 * 8 * GROUP + 192);
+      for (int64_t m = 0; m < acts.rows(); ++m) {
+        const Activation a = acts.row(m);
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
+        const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
+        const __m256 x_scale = _mm256_set1_ps(a.q_scales[g] / 128.0f);
+        __m256i dots[8];
+        for (int r = 0; r < 8; ++r) dots[r] = dot_s8_s8(rows + r * GROUP, xq, xq_low);
+        const __m256 row_scales = _mm256_mul_ps(_mm256_loadu_ps(slab_scales + n), x_scale);
+        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
+        float* o = out + m * n_out + n;
+        _mm256_storeu_ps(o, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(o), partial));
+      }
+    }
+  }
+}
+#endif
 #else
 constexpr bool QUANTIZED_ACTIVATIONS = false;  // portable float path
 
@@ -383,6 +547,14 @@ void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* 
     }
   }
   for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]) + offset_acc[r];
+}
+
+constexpr int Q4_TILE = 1;
+
+template <int MT>
+void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
+                  int64_t n_out) {
+  for (int m = 0; m < MT; ++m) rows_q4(blocks, acts.row(m0 + m), groups, out + (m0 + m) * n_out);
 }
 
 void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
@@ -413,9 +585,11 @@ void rows_q8_groups(const int8_t* w, const float* scales, const Activation& a, i
   for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]);
 }
 
-void q8_groups_range(const int8_t* w, const float* scales, const Activation& a, int64_t n0, int64_t n1,
-                     int64_t n_rows, int64_t groups, float* out) {
-  for (int64_t n = n0; n < n1; n += ROWS) rows_q8_groups(w, scales, a, n, n_rows, groups, out + n);
+void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
+                     int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
+  for (int64_t n = n0; n < n1; n += ROWS)
+    for (int64_t m = 0; m < acts.rows(); ++m)
+      rows_q8_groups(w, scales, acts.row(m), n, n_rows, groups, out + m * n_out + n);
 }
 #endif
 
@@ -459,20 +633,23 @@ void linear_rows(const HLLinear& w, const ActivationRows& acts, float* out, int6
   int64_t n = n0;
   if (w.format == FORMAT_Q8_GROUPS) {  // group-major over the whole range, 8 rows at a time
     n = n0 + (n1 - n0) / 8 * 8;
-    for (int64_t m = 0; m < m_rows; ++m)
-      q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), acts.row(m), n0, n,
-                      n_out, groups, out + m * n_out);
+    q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), acts, n0, n, n_out,
+                    groups, out, n_out);
   }
   for (; n + ROWS <= n1; n += ROWS) {
+    if (w.format == FORMAT_Q4) {  // input rows in tiles that share each group's unpacked codes
+      const uint8_t* blocks = static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK;
+      int64_t m = 0;
+      for (; m + Q4_TILE <= m_rows; m += Q4_TILE) rows_q4_tile<Q4_TILE>(blocks, acts, m, groups, out + n, n_out);
+      for (; m < m_rows; ++m) rows_q4_tile<1>(blocks, acts, m, groups, out + n, n_out);
+      continue;
+    }
     for (int64_t m = 0; m < m_rows; ++m) {
       const Activation a = acts.row(m);
       float* o = out + m * n_out + n;
       switch (w.format) {
         case FORMAT_F32:
           rows_f32(static_cast<const float*>(w.weight) + n * k, a.x, k, o);
-          break;
-        case FORMAT_Q4:
-          rows_q4(static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK, a, groups, o);
           break;
         case FORMAT_Q8_ROWS:
           rows_q8(static_cast<const int8_t*>(w.weight) + n * k, a, k, o);
@@ -491,26 +668,190 @@ void linear_rows(const HLLinear& w, const ActivationRows& acts, float* out, int6
       for (n = n0; n < n1; ++n) out[m * n_out + n] += w.bias[n];
 }
 
+// ---- the thread team ----------------------------------------------------------------------
+// Every *_team function runs on each thread of a team with the same arguments; `team` says
+// which thread it is. Work is split by static ranges that depend on the sizes and the team
+// size only, and no row's arithmetic depends on which thread computes it.
+//
+// The team is the library's own persistent pool (no OpenMP runtime: -fopenmp-simd only), so the
+// wait policy is ours: a thread that waits (at a barrier, or for the next step) spins for
+// `spins` pauses, then sleeps on a futex. Spinning alone starves a thread whose core is busy
+// elsewhere (2-thread decode fell to 1.5% of its speed with one core taken); sleeping frees the
+// core, so the kernel scheduler can run the late thread there. hl_set_spin_wait sets `spins`.
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+inline void futex_wait(std::atomic<uint32_t>& word, uint32_t expected) {
+#ifdef __linux__
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+#else
+  (void)word;
+  (void)expected;
+  std::this_thread::yield();
+#endif
+}
+
+inline void futex_wake_all(std::atomic<uint32_t>& word) {
+#ifdef __linux__
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#else
+  (void)word;
+#endif
+}
+
+// A word threads wait on until it changes: spin, then sleep; the writer wakes sleepers only.
+struct WaitWord {
+  std::atomic<uint32_t> value{0};
+  std::atomic<int32_t> sleepers{0};
+
+  void wait_change(uint32_t seen, int32_t spins) {
+    for (int32_t i = 0; i < spins; ++i) {
+      if (value.load(std::memory_order_acquire) != seen) return;
+      cpu_relax();
+    }
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    while (value.load(std::memory_order_seq_cst) == seen) futex_wait(value, seen);
+    sleepers.fetch_sub(1, std::memory_order_relaxed);
+  }
+  void publish(uint32_t next) {
+    value.store(next, std::memory_order_seq_cst);
+    if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake_all(value);
+  }
+};
+
+// A reusable barrier for n threads (the last to arrive opens the next phase).
+struct Barrier {
+  alignas(64) std::atomic<int32_t> arrived{0};
+  alignas(64) WaitWord phase;
+
+  void wait(int32_t n, int32_t spins) {
+    if (n == 1) return;
+    const uint32_t current = phase.value.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.publish(current + 1);
+    } else {
+      phase.wait_change(current, spins);
+    }
+  }
+};
+
+struct Team {
+  int thread;
+  int size;
+  Barrier* sync;
+  int32_t spins;
+  void barrier() const { sync->wait(size, spins); }
+};
+
+using TeamJob = void (*)(void* context, const Team& team);
+
+// The persistent workers: worker i runs thread i + 1 of every team of more than i + 1 threads
+// (the caller is thread 0). One team runs at a time.
+class ThreadPool {
+ public:
+  void run(int32_t n_threads, TeamJob job, void* context) {
+    std::lock_guard<std::mutex> one_team(run_mutex_);
+    const int32_t n = std::max<int32_t>(1, n_threads);
+    while (static_cast<int32_t>(workers_.size()) < n - 1) start_worker();
+    const int32_t spins = spins_.load(std::memory_order_relaxed);
+    job_ = job;
+    context_ = context;
+    size_ = n;
+    for (int32_t i = 0; i < n - 1; ++i) workers_[i]->go.publish(workers_[i]->go.value.load() + 1);
+    const Team team{0, n, &barrier_, spins};
+    job(context, team);
+    barrier_.wait(n, spins);  // every thread has finished the job
+  }
+  void set_spins(int32_t spins) { spins_.store(std::max<int32_t>(0, spins), std::memory_order_relaxed); }
+  int32_t spins() const { return spins_.load(std::memory_order_relaxed); }
+  // After fork() the child has none of the workers: forget them (they are not ours to join).
+  void forget_workers() {
+    workers_.clear();
+    new (&run_mutex_) std::mutex();
+    new (&barrier_) Barrier();
+  }
+
+ private:
+  struct Worker {
+    alignas(64) WaitWord go;
+  };
+
+  void start_worker() {
+    const int32_t index = static_cast<int32_t>(workers_.size());
+    workers_.push_back(new Worker());  // never freed: a worker lives as long as the process
+    Worker* worker = workers_.back();
+    std::thread([this, worker, index] {
+      uint32_t seen = 0;
+      for (;;) {
+        worker->go.wait_change(seen, spins_.load(std::memory_order_relaxed));
+        seen = worker->go.value.load(std::memory_order_acquire);
+        const int32_t spins = spins_.load(std::memory_order_relaxed);
+        const Team team{index + 1, size_, &barrier_, spins};
+        job_(context_, team);
+        barrier_.wait(team.size, spins);
+      }
+    }).detach();
+  }
+
+  std::mutex run_mutex_;
+  std::vector<Worker*> workers_;
+  std::atomic<int32_t> spins_{4000};
+  Barrier barrier_;
+  TeamJob job_ = nullptr;
+  void* context_ = nullptr;
+  int32_t size_ = 1;
+};
+
+ThreadPool& pool() {
+  static ThreadPool* const instance = [] {
+    auto* created = new ThreadPool();  // never destroyed: workers may outlive static destructors
+    pthread_atfork(nullptr, nullptr, [] { pool().forget_workers(); });
+    return created;
+  }();
+  return *instance;
+}
+
+template <typename Body>
+void run_team(int32_t n_threads, Body&& body) {
+  using Callable = std::remove_reference_t<Body>;
+  pool().run(n_threads, [](void* context, const Team& team) { (*static_cast<Callable*>(context))(team); },
+             const_cast<void*>(static_cast<const void*>(&body)));
+}
+
+// This thread's contiguous share [first, last) of n items.
+struct Share {
+  int64_t first, last;
+  Share(int64_t n, const Team& team) {
+    const int64_t per = (n + team.size - 1) / team.size;
+    first = std::min(n, team.thread * per);
+    last = std::min(n, first + per);
+  }
+};
+
 // The output columns of x @ W.T (x: (rows, K) -> out: (rows, N)) split in contiguous ranges,
-// one per thread of the enclosing team (multiples of 16: whole cache lines of out), then a
-// barrier. Called inside a parallel region (or by one thread outside any). Each thread prepares
-// x itself (sums, int8 digits): no extra barrier.
-void linear_team(const HLLinear& w, const float* x, float* out, int64_t rows = 1) {
+// one per thread (multiples of 16: whole cache lines of out, and the same 4- and 8-row weight
+// blocks whatever the team size), then a barrier. Each thread prepares x itself (sums, int8
+// digits): no extra barrier. A row's result does not depend on the other rows or the team size.
+void linear_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows) {
   thread_local ActivationRows acts;
   const bool quantized_weights = w.format != FORMAT_F32;
   acts.prepare(x, rows, w.in_features, quantized_weights, quantized_weights && QUANTIZED_ACTIVATIONS);
   const int64_t n = w.out_features;
-  const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-  const int64_t per = ((n + threads - 1) / threads + 15) / 16 * 16;
-  const int64_t n0 = std::min(n, t * per), n1 = std::min(n, n0 + per);
+  const int64_t per = ((n + team.size - 1) / team.size + 15) / 16 * 16;
+  const int64_t n0 = std::min<int64_t>(n, team.thread * per), n1 = std::min(n, n0 + per);
   linear_rows(w, acts, out, n0, n1);
-#pragma omp barrier
+  team.barrier();
 }
 
-// gate[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
-void silu_times(float* __restrict gate, const float* __restrict up, int64_t n) {
+// out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
+void silu_times(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
@@ -533,27 +874,106 @@ void rotate_half(float* h, const float* cos, const float* sin, int64_t d) {
   for (int64_t i = 0; i < d; ++i) h[i] = h[i] * cos[i] + rotated[i] * sin[i];
 }
 
+// ---- float16 KV: IEEE half <-> float32 (round to nearest even, as PyTorch's .to(float16)) ----
+inline float to_float(float v) { return v; }
+
+inline float to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+inline uint16_t to_half(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t abs = x & 0x7FFFFFFF;
+  if (abs >= 0x7F800000) return static_cast<uint16_t>(sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0));
+  if (abs >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds to infinity
+  if (abs < 0x38800000) {  // subnormal half (or zero): round abs / 2^-24 to nearest even
+    float scaled;
+    const uint32_t abs_bits = abs;
+    std::memcpy(&scaled, &abs_bits, sizeof scaled);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled * 16777216.0f)));
+  }
+  const uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1) - (112u << 23);  // rebias, round to nearest even
+  return static_cast<uint16_t>(sign | (rounded >> 13));
+#endif
+}
+
+inline f32x16 load_f32x16(const float* p) { return load<f32x16>(p); }
+
+inline f32x16 load_f32x16(const uint16_t* p) {
+  f32x16 v;
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+#else
+  for (int i = 0; i < 16; ++i) v[i] = to_float(p[i]);
+#endif
+  return v;
+}
+
+// Write one head's row (d,) of k or v into a cache buffer of kv_dtype at element offset `at`.
+void store_row(void* buffer, int32_t kv_dtype, int64_t at, const float* row, int64_t d) {
+  if (kv_dtype == KV_F16) {
+    uint16_t* out = static_cast<uint16_t*>(buffer) + at;
+    for (int64_t i = 0; i < d; ++i) out[i] = to_half(row[i]);
+  } else {
+    std::memcpy(static_cast<float*>(buffer) + at, row, d * sizeof(float));
+  }
+}
+
 // scores[g * stride + t] = scale * q_g . key_t for the `group` queries sharing a KV head; each
 // key row is loaded once for all of them (GROUP_SIZE fixed so the accumulators stay in registers).
-template <int GROUP_SIZE>
-void score_chunk_fixed(const float* q, const float* keys, const float* values, int64_t len, int64_t d, float scale,
+template <int GROUP_SIZE, typename T>
+void score_chunk_fixed(const float* q, const T* keys, const T* values, int64_t len, int64_t d, float scale,
                        float* scores, int64_t stride) {
   for (int64_t t = 0; t < len; ++t) {
-    const float* key = keys + t * d;
-    for (int64_t line = 0; line < d; line += 16) {  // the rows 8 ahead, and this row's values (next pass)
+    const T* key = keys + t * d;
+    for (int64_t line = 0; line < d; line += 64 / static_cast<int64_t>(sizeof(T))) {  // rows 8 ahead; this row's values
       __builtin_prefetch(key + 8 * d + line);
       __builtin_prefetch(values + t * d + line);
     }
     f32x16 dots[GROUP_SIZE] = {};
     for (int64_t i = 0; i < d; i += 16) {
-      const f32x16 kv = load<f32x16>(key + i);
+      const f32x16 kv = load_f32x16(key + i);
       for (int g = 0; g < GROUP_SIZE; ++g) dots[g] += load<f32x16>(q + g * d + i) * kv;
     }
     for (int g = 0; g < GROUP_SIZE; ++g) scores[g * stride + t] = sum16(dots[g]) * scale;
   }
 }
 
-void score_chunk(const float* q, const float* keys, const float* values, int64_t len, int group, int64_t d,
+template <typename T>
+void score_chunk(const float* q, const T* keys, const T* values, int64_t len, int group, int64_t d,
                  float scale, float* scores, int64_t stride) {
   if (d % 16 == 0) {
     switch (group) {
@@ -569,10 +989,10 @@ void score_chunk(const float* q, const float* keys, const float* values, int64_t
     }
   }
   for (int64_t t = 0; t < len; ++t) {
-    const float* key = keys + t * d;
+    const T* key = keys + t * d;
     for (int g = 0; g < group; ++g) {
       float s = 0.0f;
-      for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * key[i];
+      for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * to_float(key[i]);
       scores[g * stride + t] = s * scale;
     }
   }
@@ -581,21 +1001,22 @@ void score_chunk(const float* q, const float* keys, const float* values, int64_t
 // acc[g * d ..] = sum_t scores[g * stride + t] * values[t] for each query g of a group: one
 // query at a time, its accumulators in registers (the chunk's value rows stay in L1/L2 between
 // the group's queries).
-template <int VECS>
-void accumulate_values_fixed(const float* values, int64_t len, int group, const float* scores, int64_t stride,
+template <int VECS, typename T>
+void accumulate_values_fixed(const T* values, int64_t len, int group, const float* scores, int64_t stride,
                              float* acc) {
   for (int g = 0; g < group; ++g) {
     f32x16 a[VECS] = {};
     const float* p = scores + g * stride;
     for (int64_t t = 0; t < len; ++t) {
-      const float* value = values + t * 16 * VECS;
-      for (int i = 0; i < VECS; ++i) a[i] += load<f32x16>(value + 16 * i) * p[t];
+      const T* value = values + t * 16 * VECS;
+      for (int i = 0; i < VECS; ++i) a[i] += load_f32x16(value + 16 * i) * p[t];
     }
     std::memcpy(acc + g * 16 * VECS, a, sizeof a);
   }
 }
 
-void accumulate_values(const float* values, int64_t len, int group, int64_t d, const float* scores, int64_t stride,
+template <typename T>
+void accumulate_values(const T* values, int64_t len, int group, int64_t d, const float* scores, int64_t stride,
                        float* acc) {
   switch (d) {
     case 32: return accumulate_values_fixed<2>(values, len, group, scores, stride, acc);
@@ -607,152 +1028,198 @@ void accumulate_values(const float* values, int64_t len, int group, int64_t d, c
   std::fill(acc, acc + group * d, 0.0f);
   for (int g = 0; g < group; ++g)
     for (int64_t t = 0; t < len; ++t)
-      for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * stride + t] * values[t * d + i];
+      for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * stride + t] * to_float(values[t * d + i]);
 }
 
-// How attention over `total` tokens is cut into work items (kv head, token chunk): at least 8
-// items per thread so that a static split is balanced, each item at least 64 tokens.
+// How one row's attention over `total` tokens is cut into work items (kv head, token chunk):
+// about TARGET_ITEMS items, each at least 64 tokens. It depends on the row's length only (not
+// on the team size or the batch), so the chunks, and the order their results are merged in,
+// are the same alone or in any batch, on any number of threads.
 struct AttentionSplit {
+  static constexpr int64_t TARGET_ITEMS = 32;
   int64_t chunk, n_chunks, items;
-  AttentionSplit(int64_t total, int n_kv_heads, int n_threads) {
-    const int64_t wanted_items = std::max<int64_t>(8 * n_threads, n_kv_heads);
-    const int64_t chunks_per_head = (wanted_items + n_kv_heads - 1) / n_kv_heads;
-    chunk = std::max<int64_t>(64, (total + chunks_per_head - 1) / chunks_per_head);
+  AttentionSplit(int64_t total, int n_kv_heads) {
+    chunk = std::max<int64_t>(64, (total + chunks_per_head(n_kv_heads) - 1) / chunks_per_head(n_kv_heads));
     n_chunks = (total + chunk - 1) / chunk;
     items = n_kv_heads * n_chunks;
   }
-  static int64_t max_items(int n_kv_heads, int n_threads) {
-    const int64_t wanted_items = std::max<int64_t>(8 * n_threads, n_kv_heads);
-    return n_kv_heads * ((wanted_items + n_kv_heads - 1) / n_kv_heads);
-  }
+  static int64_t chunks_per_head(int n_kv_heads) { return (TARGET_ITEMS + n_kv_heads - 1) / n_kv_heads; }
+  static int64_t max_items(int n_kv_heads) { return n_kv_heads * chunks_per_head(n_kv_heads); }
 };
 
-// Scratch shared by a team for one layer step (allocated once per call, outside the region).
+// Scratch shared by a team for one step of `rows` tokens (allocated once per call, outside the team).
 struct Workspace {
-  std::vector<float> normed, qkv, attn, proj, gate_up, h, part_out, part_max, part_sum;
-  Workspace(const HLDecoderLayer& w, int n_threads) {
+  std::vector<float> normed, qkv, attn, proj, gate_up, mlp, h, part_out, part_max, part_sum;
+  std::vector<int64_t> item_offsets;  // (rows + 1,): where each row's attention items start
+  Workspace(const HLDecoderLayer& w, int64_t rows) {
     const int64_t d = w.head_dim, q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
-    const int64_t items = AttentionSplit::max_items(w.n_kv_heads, n_threads);
+    const int64_t items = AttentionSplit::max_items(w.n_kv_heads);
     const int64_t group = w.n_heads / w.n_kv_heads;
-    normed.resize(w.hidden);
-    qkv.resize(q_size + 2 * kv_size);
-    attn.resize(q_size);
-    proj.resize(w.hidden);
-    gate_up.resize(2 * w.intermediate);
-    h.resize(w.hidden);
-    part_out.resize(items * group * d);
-    part_max.resize(items * group);
-    part_sum.resize(items * group);
+    normed.resize(rows * w.hidden);
+    qkv.resize(rows * (q_size + 2 * kv_size));
+    attn.resize(rows * q_size);
+    proj.resize(rows * w.hidden);
+    gate_up.resize(rows * 2 * w.intermediate);
+    mlp.resize(rows * w.intermediate);
+    h.resize(rows * w.hidden);
+    part_out.resize(rows * items * group * d);
+    part_max.resize(rows * items * group);
+    part_sum.resize(rows * items * group);
+    item_offsets.resize(rows + 1);
   }
 };
 
-// Grouped-query attention of one token's queries q (H, D) over keys/values 0..total-1 of a
-// cache laid out (Hkv, capacity, D), by the enclosing team. Work items are (kv head, token
-// chunk); each keeps its running max, sum and weighted values per query head, merged exactly
-// at the end. `scores` is the calling thread's own scratch.
-void attention_team(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
-                    int n_heads, int n_kv_heads, int head_dim, float* out, Workspace& ws,
-                    std::vector<float>& scores) {
-  const int group = n_heads / n_kv_heads;
-  const int64_t d = head_dim;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const AttentionSplit split(total, n_kv_heads, omp_get_num_threads());
-  const int64_t chunk = split.chunk, n_chunks = split.n_chunks;
+// One token's grouped-query attention of work item `item` (kv head, token chunk) of a row:
+// its running max, sum and weighted values per query head of the group.
+template <typename T>
+void attention_item(const float* q, const T* k_cache, const T* v_cache, int64_t capacity, int64_t total,
+                    int group, int64_t d, const AttentionSplit& split, int64_t item, float* part_out,
+                    float* part_max, float* part_sum, std::vector<float>& scores) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const int64_t chunk = split.chunk;
   if (static_cast<int64_t>(scores.size()) < group * chunk) scores.resize(group * chunk);
-  float* part_out = ws.part_out.data();
-  float* part_max = ws.part_max.data();
-  float* part_sum = ws.part_sum.data();
-#pragma omp for schedule(static)
-  for (int64_t item = 0; item < split.items; ++item) {
-    const int64_t kv_head = item / n_chunks;
-    const int64_t t0 = (item % n_chunks) * chunk;
-    const int64_t len = std::min(total, t0 + chunk) - t0;
-    const float* keys = k_cache + kv_head * capacity * d;
-    const float* values = v_cache + kv_head * capacity * d;
-    score_chunk(q + kv_head * group * d, keys + t0 * d, values + t0 * d, len, group, d, scale, scores.data(), chunk);
-    float* acc = part_out + item * group * d;
-    for (int g = 0; g < group; ++g) {
-      float* s = scores.data() + g * chunk;
-      float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-      for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < len; ++t) {
-        s[t] = exp_clamped(s[t] - m);
-        sum += s[t];
-      }
-      part_max[item * group + g] = m;
-      part_sum[item * group + g] = sum;
-    }
-    accumulate_values(values + t0 * d, len, group, d, scores.data(), chunk, acc);
-  }  // implicit barrier: every item is done
-#pragma omp for schedule(static)
-  for (int h = 0; h < n_heads; ++h) {
-    const int64_t kv_head = h / group, g = h % group;
+  const int64_t kv_head = item / split.n_chunks;
+  const int64_t t0 = (item % split.n_chunks) * chunk;
+  const int64_t len = std::min(total, t0 + chunk) - t0;
+  const T* keys = k_cache + kv_head * capacity * d;
+  const T* values = v_cache + kv_head * capacity * d;
+  score_chunk(q + kv_head * group * d, keys + t0 * d, values + t0 * d, len, group, d, scale, scores.data(), chunk);
+  for (int g = 0; g < group; ++g) {
+    float* s = scores.data() + g * chunk;
     float m = -INFINITY;
-    for (int64_t c = 0; c < n_chunks; ++c) m = std::max(m, part_max[(kv_head * n_chunks + c) * group + g]);
-    float* o = out + h * d;
-    std::fill(o, o + d, 0.0f);
-    float total_sum = 0.0f;
-    for (int64_t c = 0; c < n_chunks; ++c) {
-      const int64_t slot = (kv_head * n_chunks + c) * group + g;
-      const float w = std::exp(part_max[slot] - m);
-      total_sum += w * part_sum[slot];
-      const float* a = part_out + slot * d;
-      for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_clamped(s[t] - m);
+      sum += s[t];
     }
-    const float inv = 1.0f / total_sum;
-    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
-  }  // implicit barrier
+    part_max[item * group + g] = m;
+    part_sum[item * group + g] = sum;
+  }
+  accumulate_values(values + t0 * d, len, group, d, scores.data(), chunk, part_out + item * group * d);
 }
 
-// One decoder layer for one token at position `past`, by the enclosing team:
+// Query head h's output (D,) from a row's work items, merged exactly, chunk by chunk in order.
+void merge_head(int h, int group, int64_t d, const AttentionSplit& split, const float* part_out,
+                const float* part_max, const float* part_sum, float* o) {
+  const int64_t kv_head = h / group, g = h % group, n_chunks = split.n_chunks;
+  float m = -INFINITY;
+  for (int64_t c = 0; c < n_chunks; ++c) m = std::max(m, part_max[(kv_head * n_chunks + c) * group + g]);
+  std::fill(o, o + d, 0.0f);
+  float total_sum = 0.0f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t slot = (kv_head * n_chunks + c) * group + g;
+    const float w = std::exp(part_max[slot] - m);
+    total_sum += w * part_sum[slot];
+    const float* a = part_out + slot * d;
+    for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+  }
+  const float inv = 1.0f / total_sum;
+  for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+}
+
+// Attention of each row's queries q (H, D) (row r at q + r * q_stride) over its own cache (caches[r]: (Hkv, capacity,
+// D), its first start + 1 tokens) -> out (rows, H, D), by the team. The work items of every row
+// (kv head, token chunk) are shared out together, then each (row, query head) is merged.
+// `scores` is the calling thread's own scratch.
+void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches, int64_t rows,
+                    int n_heads,
+                    int n_kv_heads, int head_dim, float* out, Workspace& ws, std::vector<float>& scores) {
+  const int group = n_heads / n_kv_heads;
+  const int64_t d = head_dim, row_items = AttentionSplit::max_items(n_kv_heads);
+  int64_t* offsets = ws.item_offsets.data();  // every thread computes the same prefix sums
+  int64_t all_items = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    offsets[r] = all_items;
+    all_items += AttentionSplit(caches[r].start + 1, n_kv_heads).items;
+  }
+  const Share share(all_items, team);
+  int64_t r = 0;
+  for (int64_t i = share.first; i < share.last; ++i) {
+    while (i >= offsets[r] + AttentionSplit(caches[r].start + 1, n_kv_heads).items) ++r;
+    const HLLayerCache& c = caches[r];
+    const AttentionSplit split(c.start + 1, n_kv_heads);
+    float* part_out = ws.part_out.data() + r * row_items * group * d;
+    float* part_max = ws.part_max.data() + r * row_items * group;
+    float* part_sum = ws.part_sum.data() + r * row_items * group;
+    if (c.kv_dtype == KV_F16)
+      attention_item(q + r * q_stride, static_cast<const uint16_t*>(c.keys), static_cast<const uint16_t*>(c.values),
+                     c.capacity, c.start + 1, group, d, split, i - offsets[r], part_out, part_max, part_sum, scores);
+    else
+      attention_item(q + r * q_stride, static_cast<const float*>(c.keys), static_cast<const float*>(c.values),
+                     c.capacity, c.start + 1, group, d, split, i - offsets[r], part_out, part_max, part_sum, scores);
+  }
+  team.barrier();  // every item is done
+  const Share heads(rows * n_heads, team);
+  for (int64_t i = heads.first; i < heads.last; ++i) {
+    const int64_t row = i / n_heads;
+    const int h = static_cast<int>(i % n_heads);
+    merge_head(h, group, d, AttentionSplit(caches[row].start + 1, n_kv_heads),
+               ws.part_out.data() + row * row_items * group * d, ws.part_max.data() + row * row_items * group,
+               ws.part_sum.data() + row * row_items * group, out + i * d);
+  }
+  team.barrier();
+}
+
+// One decoder layer for one token of each of `rows` sequences, by the team:
 //   x_out = h + mlp(norm(h)),  h = x + o(attention(rope(q), cache + rope(k), cache + v)),
-// writing the token's k and v into row `past` of the layer's cache (Hkv, capacity, D).
-// cos/sin: (D,) rotary tables of the position. x_in may alias x_out.
-void decode_layer_team(const HLDecoderLayer& w, const float* x_in, float* x_out, float* k_cache, float* v_cache,
-                       int64_t capacity, int64_t past, const float* cos, const float* sin, Workspace& ws,
+// writing row r's k and v at position caches[r].start of its cache (Hkv, capacity, D).
+// x_in, x_out: (rows, hidden), x_in may alias x_out; cos/sin: (rows, D) rotary tables of each
+// row's position. Each weight matrix is read once for all rows; each row's arithmetic is the
+// same whatever the other rows and the team size.
+void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x_in, float* x_out,
+                       const HLLayerCache* caches, int64_t rows, const float* cos, const float* sin, Workspace& ws,
                        std::vector<float>& scores) {
   const int64_t hidden = w.hidden, d = w.head_dim, inter = w.intermediate;
-  const int64_t q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
-  PHASE_END(BETWEEN_STEPS);
-#pragma omp single
-  rms_norm(x_in, w.attn_norm, w.eps, hidden, ws.normed.data());
-  PHASE_END(NORM);
-  linear_team(w.qkv, ws.normed.data(), ws.qkv.data());
-  PHASE_END(QKV);
-#pragma omp single
-  {
-    float* qkv = ws.qkv.data();
-    for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos, sin, d);
+  const int64_t q_size = w.n_heads * d, kv_size = w.n_kv_heads * d, qkv_size = q_size + 2 * kv_size;
+  const Share mine(rows, team);  // the rows this thread takes in the row-wise steps
+  PHASE_END(team, BETWEEN_STEPS);
+  for (int64_t r = mine.first; r < mine.last; ++r)
+    rms_norm(x_in + r * hidden, w.attn_norm, w.eps, hidden, ws.normed.data() + r * hidden);
+  team.barrier();
+  PHASE_END(team, NORM);
+  linear_team(team, w.qkv, ws.normed.data(), ws.qkv.data(), rows);
+  PHASE_END(team, QKV);
+  for (int64_t r = mine.first; r < mine.last; ++r) {
+    float* qkv = ws.qkv.data() + r * qkv_size;
+    const HLLayerCache& c = caches[r];
+    for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos + r * d, sin + r * d, d);
     for (int64_t kv_head = 0; kv_head < w.n_kv_heads; ++kv_head) {
-      std::memcpy(k_cache + (kv_head * capacity + past) * d, qkv + q_size + kv_head * d, d * sizeof(float));
-      std::memcpy(v_cache + (kv_head * capacity + past) * d, qkv + q_size + kv_size + kv_head * d, d * sizeof(float));
+      const int64_t row = (kv_head * c.capacity + c.start) * d;
+      store_row(c.keys, c.kv_dtype, row, qkv + q_size + kv_head * d, d);
+      store_row(c.values, c.kv_dtype, row, qkv + q_size + kv_size + kv_head * d, d);
     }
   }
-  PHASE_END(ROPE_KV);
-  attention_team(ws.qkv.data(), k_cache, v_cache, capacity, past + 1, w.n_heads, w.n_kv_heads, w.head_dim,
-                 ws.attn.data(), ws, scores);
-  PHASE_END(ATTENTION);
-  linear_team(w.o, ws.attn.data(), ws.proj.data());
-  PHASE_END(O_PROJ);
-#pragma omp single
-  {
-    for (int64_t i = 0; i < hidden; ++i) ws.h[i] = x_in[i] + ws.proj[i];
-    rms_norm(ws.h.data(), w.mlp_norm, w.eps, hidden, ws.normed.data());
+  team.barrier();
+  PHASE_END(team, ROPE_KV);
+  attention_team(team, ws.qkv.data(), qkv_size, caches, rows, w.n_heads, w.n_kv_heads, w.head_dim, ws.attn.data(), ws,
+                 scores);
+  PHASE_END(team, ATTENTION);
+  linear_team(team, w.o, ws.attn.data(), ws.proj.data(), rows);
+  PHASE_END(team, O_PROJ);
+  for (int64_t r = mine.first; r < mine.last; ++r) {
+    float* h = ws.h.data() + r * hidden;
+    for (int64_t i = 0; i < hidden; ++i) h[i] = x_in[r * hidden + i] + ws.proj[r * hidden + i];
+    rms_norm(h, w.mlp_norm, w.eps, hidden, ws.normed.data() + r * hidden);
   }
-  PHASE_END(RESIDUAL_NORM);
-  linear_team(w.gate_up, ws.normed.data(), ws.gate_up.data());
-  PHASE_END(GATE_UP);
-#pragma omp single
-  silu_times(ws.gate_up.data(), ws.gate_up.data() + inter, inter);
-  PHASE_END(SILU);
-  linear_team(w.down, ws.gate_up.data(), ws.proj.data());
-  PHASE_END(DOWN);
-#pragma omp single
-  for (int64_t i = 0; i < hidden; ++i) x_out[i] = ws.h[i] + ws.proj[i];
-  PHASE_END(RESIDUAL);
+  team.barrier();
+  PHASE_END(team, RESIDUAL_NORM);
+  linear_team(team, w.gate_up, ws.normed.data(), ws.gate_up.data(), rows);
+  PHASE_END(team, GATE_UP);
+  for (int64_t r = mine.first; r < mine.last; ++r) {  // row r's (gate, up) -> silu(gate) * up, as (rows, inter)
+    const float* gate = ws.gate_up.data() + r * 2 * inter;
+    silu_times(gate, gate + inter, ws.mlp.data() + r * inter, inter);
+  }
+  team.barrier();
+  PHASE_END(team, SILU);
+  linear_team(team, w.down, ws.mlp.data(), ws.proj.data(), rows);
+  PHASE_END(team, DOWN);
+  for (int64_t r = mine.first; r < mine.last; ++r)
+    for (int64_t i = 0; i < hidden; ++i) x_out[r * hidden + i] = ws.h[r * hidden + i] + ws.proj[r * hidden + i];
+  team.barrier();
+  PHASE_END(team, RESIDUAL);
 }
 
 }  // namespace
@@ -761,56 +1228,61 @@ extern "C" {
 
 // out = x @ W.T (+ bias) for rows x (rows, in_features) -> out (rows, out_features).
 void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
-#pragma omp parallel num_threads(n_threads)
-  linear_team(*w, x, out, rows);
+  run_team(n_threads, [&](const Team& team) { linear_team(team, *w, x, out, rows); });
 }
 
-// Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens -> out (H, D).
-void hl_attention(const float* q, const float* k_cache, const float* v_cache, int64_t capacity, int64_t total,
-                  int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float* out, int32_t n_threads) {
+// Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens (float32 or
+// float16, kv_dtype) -> out (H, D).
+void hl_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_dtype, int64_t capacity,
+                  int64_t total, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float* out, int32_t n_threads) {
   HLDecoderLayer shape{};
   shape.n_heads = n_heads;
   shape.n_kv_heads = n_kv_heads;
   shape.head_dim = head_dim;
-  Workspace ws(shape, n_threads);
-#pragma omp parallel num_threads(n_threads)
-  {
+  Workspace ws(shape, 1);
+  const HLLayerCache cache{const_cast<void*>(k_cache), const_cast<void*>(v_cache), capacity, total - 1, kv_dtype, 0};
+  run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
-    attention_team(q, k_cache, v_cache, capacity, total, n_heads, n_kv_heads, head_dim, out, ws, scores);
-  }
+    attention_team(team, q, 0, &cache, 1, n_heads, n_kv_heads, head_dim, out, ws, scores);
+  });
 }
 
-// One decoder layer for one token (see decode_layer_team).
-void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_out, float* k_cache, float* v_cache,
-                     int64_t capacity, int64_t past, const float* cos, const float* sin, int32_t n_threads) {
-  Workspace ws(*layer, n_threads);
-#pragma omp parallel num_threads(n_threads)
-  {
+// One decoder layer for one token of each of `rows` sequences (see decode_layer_team); caches:
+// (rows,), the layer's cache of each row.
+void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_out, const HLLayerCache* caches,
+                     int64_t rows, const float* cos, const float* sin, int32_t n_threads) {
+  Workspace ws(*layer, rows);
+  run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
-    decode_layer_team(*layer, x_in, x_out, k_cache, v_cache, capacity, past, cos, sin, ws, scores);
-  }
+    decode_layer_team(team, *layer, x_in, x_out, caches, rows, cos, sin, ws, scores);
+  });
 }
 
-// A whole decode step after the embedding, in one parallel region: every layer in order (each
-// with its cache slot), the final norm and the head. x (hidden,) is overwritten; logits (N,).
-void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, float* x,
-                     const float* cos, const float* sin, const float* final_norm, float eps, const HLLinear* head,
-                     float* logits, int32_t n_threads) {
-  Workspace ws(layers[0], n_threads);  // every layer of a model has the same shapes
-#pragma omp parallel num_threads(n_threads)
-  {
+// A whole decode step after the embedding for `rows` sequences, in one team: every layer in
+// order, the final norm and the head. caches: (n_layers, rows), layer-major; x (rows, hidden)
+// is overwritten; cos/sin (rows, D); logits (rows, N).
+void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, int64_t rows,
+                     float* x, const float* cos, const float* sin, const float* final_norm, float eps,
+                     const HLLinear* head, float* logits, int32_t n_threads) {
+  Workspace ws(layers[0], rows);  // every layer of a model has the same shapes
+  const int64_t hidden = layers[0].hidden;
+  run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
-    for (int64_t i = 0; i < n_layers; ++i) {
-      const HLLayerCache& c = caches[i];
-      decode_layer_team(layers[i], x, x, c.keys, c.values, c.capacity, c.start, cos, sin, ws, scores);
-    }
-#pragma omp single
-    rms_norm(x, final_norm, eps, layers[0].hidden, ws.normed.data());
-    PHASE_END(FINAL_NORM);
-    linear_team(*head, ws.normed.data(), logits);
-    PHASE_END(HEAD);
-  }
+    for (int64_t i = 0; i < n_layers; ++i)
+      decode_layer_team(team, layers[i], x, x, caches + i * rows, rows, cos, sin, ws, scores);
+    const Share mine(rows, team);
+    for (int64_t r = mine.first; r < mine.last; ++r)
+      rms_norm(x + r * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);
+    team.barrier();
+    PHASE_END(team, FINAL_NORM);
+    linear_team(team, *head, ws.normed.data(), logits, rows);
+    PHASE_END(team, HEAD);
+  });
 }
+
+void hl_set_spin_wait(int32_t spins) { pool().set_spins(spins); }
+
+int32_t hl_spin_wait() { return pool().spins(); }
 
 }  // extern "C"
 

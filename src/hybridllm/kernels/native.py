@@ -9,16 +9,24 @@ thread wake-ups) is most of the step. :func:`build_native_steps` gives every dec
 whose weights live on the CPU a :class:`NativeDecodeLayer`: the layer's weights described once
 as raw pointers for ``hl_decode_layer`` (``decode.cpp``), which runs the whole layer (norm,
 q/k/v, rotary, writing k/v into the cache, grouped-query attention, output projection, MLP) for
-batch 1 and one token, its row loops split over the threads with OpenMP. The tied or separate
+one token of each of B sequences, its loops split over the kernels' own team of threads (how
+many, and how they wait: :class:`DecodeTeam`, :mod:`hybridllm.kernels.threads`). The tied or separate
 output head gets a :class:`NativeHead` (``hl_linear``). When every layer and the head are
 native, :class:`NativeModel` runs the whole token (``hl_decode_model``) in one call and one
 parallel region; otherwise (a GPU/host split) each native layer steps on its own.
 
+Batches: each row of a decode batch (the scheduler's
+:class:`~hybridllm.kvcache.batch.BatchedCaches`) keeps its own cache and position; the kernels
+read each weight matrix once for all rows (decode is bound by reading the weights), while each
+row's arithmetic, summation order included, is the same as alone, at any position in any batch
+and on any number of threads (batch-invariant: temperature 0 gives the same text alone or under
+load).
+
 The native decode backend (``hybridllm.runtime.backends.native``) takes a step only when it
 applies, otherwise the layer runs its PyTorch code:
-batch 1, one token, float32 activations, and a cache whose layer can be written in place
-(:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on the
-host). Prefill chunks, batches, GPU layers and the paged/tiered/quantized strategies keep the
+one token per row, float32 activations, and for every row a cache whose layer can be written in
+place (:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on
+the host). Prefill chunks, GPU layers and the paged/tiered/quantized strategies keep the
 PyTorch path, and so do layers with pieces the kernels lack (Qwen3's q/k norm, partial rotary):
 they are listed in ``report.skipped``.
 
@@ -48,7 +56,9 @@ import torch
 from torch import nn
 
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
+from hybridllm.kernels.threads import FixedTeam, ThreadPolicy
 from hybridllm.kvcache.base import KVCache
+from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.models.fuse import ConcatLinear
 from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
 
@@ -56,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32
 FORMAT_F32, FORMAT_Q4, FORMAT_Q8_ROWS, FORMAT_Q8_GROUPS = 0, 1, 2, 3
+KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # decode.cpp's KVDtype: the KV the kernels read as stored
 MAX_HEAD_DIM = 512  # decode.cpp's rotary scratch
 
 
@@ -94,7 +105,12 @@ class HLLayerCache(ctypes.Structure):
         ("values", ctypes.c_void_p),
         ("capacity", ctypes.c_int64),
         ("start", ctypes.c_int64),
+        ("kv_dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
+
+
+_SLOT_BYTES = ctypes.sizeof(HLLayerCache)
 
 
 @functools.cache
@@ -103,13 +119,18 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     library.hl_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i64, i32]
     library.hl_linear.restype = None
-    library.hl_attention.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32, i32, ptr, i32]
+    library.hl_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, ptr, i32]
     library.hl_attention.restype = None
-    library.hl_decode_layer.argtypes = [ctypes.POINTER(HLDecoderLayer), ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
+    library.hl_decode_layer.argtypes = [ctypes.POINTER(HLDecoderLayer), ptr, ptr, ctypes.POINTER(HLLayerCache), i64,
+                                        ptr, ptr, i32]
     library.hl_decode_layer.restype = None
-    library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, ptr, ptr,
-                                        ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
+    library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr,
+                                        ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
     library.hl_decode_model.restype = None
+    library.hl_set_spin_wait.argtypes = [i32]
+    library.hl_set_spin_wait.restype = None
+    library.hl_spin_wait.argtypes = []
+    library.hl_spin_wait.restype = i32
     return library
 
 
@@ -120,14 +141,16 @@ def kernels() -> ctypes.CDLL:
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, total: int, threads: int | None = None,
               library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """One token's queries q (H, D) over the first ``total`` rows of keys/values (Hkv, capacity, D),
-    all float32 -> (H, D): ``hl_attention``, the kernel inside every native layer step."""
+    """One token's queries q (H, D) over the first ``total`` rows of keys/values (Hkv, capacity, D)
+    -> (H, D) float32: ``hl_attention``, the kernel inside every native layer step. Keys and
+    values in float16 are read as they are (float32 accumulation), anything else as float32."""
     library = _declare(library) if library is not None else kernels()
-    q, keys, values = q.float().contiguous(), keys.float().contiguous(), values.float().contiguous()
+    kv_dtype = keys.dtype if keys.dtype in KV_DTYPES else torch.float32
+    q, keys, values = q.float().contiguous(), keys.to(kv_dtype).contiguous(), values.to(kv_dtype).contiguous()
     (n_heads, head_dim), (n_kv_heads, capacity, _) = q.shape, keys.shape
     out = torch.empty_like(q)
-    library.hl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), capacity, total, n_heads, n_kv_heads,
-                         head_dim, out.data_ptr(), threads or torch.get_num_threads())
+    library.hl_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), KV_DTYPES[kv_dtype], capacity, total,
+                         n_heads, n_kv_heads, head_dim, out.data_ptr(), threads or torch.get_num_threads())
     return out
 
 
@@ -217,11 +240,55 @@ def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
     return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
+# ---- threads -------------------------------------------------------------------------------
+class DecodeTeam:
+    """The thread count of each native call and the kernels' wait policy, from a
+    :class:`~hybridllm.kernels.threads.ThreadPolicy` (at most PyTorch's thread count; fewer when
+    other work keeps cores busy). Shared by the steps of one model."""
+
+    def __init__(self, library: ctypes.CDLL, policy: ThreadPolicy | FixedTeam | None = None) -> None:
+        self.library = library
+        self.policy = policy if policy is not None else ThreadPolicy()
+
+    def threads(self) -> int:
+        """Threads for the next call (sets the library's spin-then-sleep wait to match; the
+        library's team is shared by every model in the process)."""
+        choice = self.policy.team(torch.get_num_threads())
+        if self.library.hl_spin_wait() != choice.spins:
+            self.library.hl_set_spin_wait(choice.spins)
+        return choice.threads
+
+
+# ---- the rows of a decode batch ------------------------------------------------------------
+def row_caches(cache: KVCache | BatchedCaches) -> list[KVCache]:
+    """The cache of each row of a decode step: a batch's own caches, or the one cache of a batch of one."""
+    return list(cache.caches) if isinstance(cache, BatchedCaches) else [cache]
+
+
+def rows_in_place(caches: list[KVCache], layer_indices: list[int], rows: int) -> bool:
+    """Whether each of ``rows`` rows has its own cache with in-place slots for every layer given."""
+    return len(caches) == rows and all(c.supports_in_place(i) for c in caches for i in layer_indices)
+
+
+def claim_slots(caches: list[KVCache], layer_idx: int, out: ctypes.Array) -> None:
+    """Claim this token's row of a layer in each row's cache, described into ``out`` (rows,)."""
+    for entry, cache in zip(out, caches):
+        slot = cache.in_place_slot(layer_idx, 1)
+        entry.keys, entry.values = slot.keys.data_ptr(), slot.values.data_ptr()
+        entry.capacity, entry.start = slot.keys.shape[2], slot.start
+        entry.kv_dtype = KV_DTYPES[slot.keys.dtype]
+
+
+def rotary_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """A cos or sin table (B or 1, 1, 1, D) of one decode step as (rows, D), contiguous."""
+    return table.reshape(-1, table.shape[-1]).expand(rows, -1).contiguous()  # (rows, D)
+
+
 # ---- one decoder layer ---------------------------------------------------------------------
 class NativeDecodeLayer:
     """A decoder layer's one-token step in one kernel call; owns the weight copies it reads."""
 
-    def __init__(self, layer: nn.Module, library: ctypes.CDLL) -> None:
+    def __init__(self, layer: nn.Module, library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
@@ -239,6 +306,7 @@ class NativeDecodeLayer:
         # int4 block copies are real host memory: the tier accounting counts them
         self.copies = [t for view in views for t in view.keep if t.data_ptr() not in owned]
         self.library = library
+        self.team = team if team is not None else DecodeTeam(library)
         self.layer_idx = attn.layer_idx
         self.struct = HLDecoderLayer(
             views[0].struct, views[1].struct, views[2].struct, views[3].struct,
@@ -251,21 +319,24 @@ class NativeDecodeLayer:
         """Bytes of the weight copies this step made (0 where it reads the weights in place)."""
         return sum(t.numel() * t.element_size() for t in self.copies)
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """x (1, 1, hidden) float32 on the CPU -> the layer's output; appends this token's k/v."""
-        slot = cache.in_place_slot(self.layer_idx, 1)
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             cache: KVCache | BatchedCaches) -> torch.Tensor:
+        """x (B, 1, hidden) float32 on the CPU, one token per row -> the layer's output; appends
+        each row's k/v to its own cache."""
+        rows = x.shape[0]
+        slots = (HLLayerCache * rows)()
+        claim_slots(row_caches(cache), self.layer_idx, slots)
         x = x.contiguous()
         out = torch.empty_like(x)
-        self.library.hl_decode_layer(ctypes.byref(self.struct), x.data_ptr(), out.data_ptr(), slot.keys.data_ptr(),
-                                     slot.values.data_ptr(), slot.keys.shape[2], slot.start,
-                                     cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-                                     torch.get_num_threads())
+        cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
+        self.library.hl_decode_layer(ctypes.byref(self.struct), x.data_ptr(), out.data_ptr(), slots, rows,
+                                     cos.data_ptr(), sin.data_ptr(), self.team.threads())
         return out
 
-    def applies(self, x: torch.Tensor, cos: torch.Tensor, cache: KVCache) -> bool:
+    def applies(self, x: torch.Tensor, cos: torch.Tensor, cache: KVCache | BatchedCaches) -> bool:
         """Whether this step can run natively (else the layer's PyTorch code runs)."""
-        return (x.shape[0] == 1 and x.shape[1] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
-                and cos.dtype == torch.float32 and cache.supports_in_place(self.layer_idx))
+        return (x.shape[1] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+                and cos.dtype == torch.float32 and rows_in_place(row_caches(cache), [self.layer_idx], x.shape[0]))
 
     def __repr__(self) -> str:
         return f"NativeDecodeLayer(layer={self.layer_idx}, kernel=hl_decode_layer)"
@@ -274,15 +345,16 @@ class NativeDecodeLayer:
 class NativeHead:
     """The output head's one-row product through ``hl_linear`` (other shapes: the module itself)."""
 
-    def __init__(self, head: nn.Module, library: ctypes.CDLL) -> None:
+    def __init__(self, head: nn.Module, library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
         self.view = linear_view(head)
         self.library = library
+        self.team = team if team is not None else DecodeTeam(library)
 
     def applies(self, x: torch.Tensor) -> bool:
         return x.shape[:-1].numel() == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.view, x, library=self.library)
+        return linear(self.view, x, self.team.threads(), library=self.library)
 
 
 class NativeModel:
@@ -294,31 +366,37 @@ class NativeModel:
     """
 
     def __init__(self, final_norm: nn.Module, layers: list[NativeDecodeLayer], head: NativeHead,
-                 library: ctypes.CDLL) -> None:
+                 library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
         self.library = library
+        self.team = team if team is not None else DecodeTeam(library)
         self.layers = layers
         self.structs = (HLDecoderLayer * len(layers))(*(layer.struct for layer in layers))
-        self.caches = (HLLayerCache * len(layers))()
         self.head = head
         self.final_norm = final_norm
 
-    def applies(self, input_ids: torch.Tensor, x: torch.Tensor, cache: KVCache) -> bool:
-        return (input_ids.shape == (1, 1) and input_ids.device.type == "cpu" and x.dtype == torch.float32
-                and all(cache.supports_in_place(layer.layer_idx) for layer in self.layers))
+    def applies(self, input_ids: torch.Tensor, x: torch.Tensor, cache: KVCache | BatchedCaches) -> bool:
+        """A decode step (one token per row) whose every row has its own in-place cache."""
+        return (input_ids.dim() == 2 and input_ids.shape[1] == 1 and input_ids.device.type == "cpu"
+                and x.dtype == torch.float32
+                and rows_in_place(row_caches(cache), [layer.layer_idx for layer in self.layers], input_ids.shape[0]))
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """x: the token's embedding (1, 1, hidden) float32 -> logits (1, 1, vocab) float32."""
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: KVCache | BatchedCaches) -> torch.Tensor:
+        """x: the tokens' embeddings (B, 1, hidden) float32 -> logits (B, 1, vocab) float32.
+
+        Each row has its own cache and position; each row's logits are bitwise the same alone
+        or in any batch (the kernels are batch-invariant)."""
+        rows, n_layers = x.shape[0], len(self.layers)
+        caches = row_caches(cache)
+        slots = (HLLayerCache * (n_layers * rows))()  # (n_layers, rows), layer-major
         for i, layer in enumerate(self.layers):
-            slot = cache.in_place_slot(layer.layer_idx, 1)
-            entry = self.caches[i]
-            entry.keys, entry.values = slot.keys.data_ptr(), slot.values.data_ptr()
-            entry.capacity, entry.start = slot.keys.shape[2], slot.start
-        x = x.reshape(-1).float().clone()  # (hidden,), overwritten by the kernel
-        logits = torch.empty(1, 1, self.head.view.struct.out_features, dtype=torch.float32)
-        self.library.hl_decode_model(self.structs, self.caches, len(self.layers), x.data_ptr(),
-                                     cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+            claim_slots(caches, layer.layer_idx, (HLLayerCache * rows).from_buffer(slots, i * rows * _SLOT_BYTES))
+        x = x.reshape(rows, -1).float().clone()  # (B, hidden), overwritten by the kernel
+        logits = torch.empty(rows, 1, self.head.view.struct.out_features, dtype=torch.float32)  # (B, 1, vocab)
+        cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
+        self.library.hl_decode_model(self.structs, slots, n_layers, rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                      self.final_norm.weight.data_ptr(), self.final_norm.eps,
-                                     ctypes.byref(self.head.view.struct), logits.data_ptr(), torch.get_num_threads())
+                                     ctypes.byref(self.head.view.struct), logits.data_ptr(), self.team.threads())
         return logits
 
 
@@ -343,6 +421,7 @@ class NativeSteps:
     head: NativeHead | None
     whole: NativeModel | None
     report: NativeReport
+    team: DecodeTeam | None = None  # the threads and wait policy every step of the model shares
 
 
 def build_native_steps(model: nn.Module) -> NativeSteps:
@@ -356,12 +435,13 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     loaded: LoadedLibrary = load_decode_library()
     library = _declare(loaded.library)
     report = NativeReport(build_seconds=loaded.build_seconds)
+    team = DecodeTeam(library)
     layers: dict[int, NativeDecodeLayer] = {}
     for layer in model.model.layers:
         if layer.input_layernorm.weight.device.type != "cpu":
             continue
         try:
-            native = NativeDecodeLayer(layer, library)
+            native = NativeDecodeLayer(layer, library, team)
         except ValueError as exc:
             report.skipped.append(f"layer {layer.self_attn.layer_idx}: {exc}")
             continue
@@ -371,7 +451,7 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     head = None
     if model.lm_head.weight.device.type == "cpu":
         try:
-            head = NativeHead(model.lm_head, library)
+            head = NativeHead(model.lm_head, library, team)
             report.head = True
         except ValueError as exc:
             report.skipped.append(f"head: {exc}")
@@ -379,12 +459,13 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     norm = model.model.norm
     if head is not None and len(layers) == len(model.model.layers) and \
             norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu":
-        whole = NativeModel(norm, [layers[i] for i in sorted(layers)], head, library)
+        whole = NativeModel(norm, [layers[i] for i in sorted(layers)], head, library, team)
         report.whole_step = True
     if report.skipped:
         logger.info("native decode: kept the PyTorch step for %s", "; ".join(report.skipped))
-    return NativeSteps(layers, head, whole, report)
+    return NativeSteps(layers, head, whole, report, team)
 
 
-__all__ = ["KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport", "NativeSteps",
-           "attention", "build_native_steps", "float32_view", "linear", "linear_view", "pack_int4_blocks"]
+__all__ = ["DecodeTeam", "KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport",
+           "NativeSteps", "attention", "build_native_steps", "float32_view", "linear", "linear_view", "pack_int4_blocks",
+           "row_caches"]

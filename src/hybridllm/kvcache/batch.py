@@ -20,7 +20,8 @@ class BatchedCaches:
 
     Only the part of the :class:`~hybridllm.kvcache.base.KVCache` interface that the model uses
     is provided: :meth:`attend`, the per-row start positions :attr:`seq_lengths`, and in-place
-    slots for a batch of one (its sequence's cache's, so a lone request decodes natively).
+    slots for a batch of one (its sequence's cache's). The native decode step reads
+    :attr:`caches` to take each row's own in-place slot (a batch decodes natively in one call).
 
     Args:
         caches: one cache per batch row, each holding a single sequence (batch size 1).

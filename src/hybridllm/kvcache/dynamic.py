@@ -8,8 +8,11 @@ layer's tokens are a :class:`~hybridllm.kvcache.storage.DenseKV`, the one store 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from hybridllm.config import KVConfig
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.kvcache.base import InPlaceSlot, KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.storage import DenseKV
@@ -30,19 +33,23 @@ class DynamicCache(KVCache):
         ledger: the per-tier byte counter.
         page_size: buffers grow in multiples of this many tokens.
         tier: "device" keeps the buffers on ``spec.device``, "host" on ``spec.host_device``.
+        kv_dtype: the dtype the tokens are stored in (default: the compute dtype). float16 under
+            float32 compute halves the KV bytes; the native decode step reads it directly with
+            float32 accumulation, PyTorch's attention (prefill) reads a float32 copy.
     """
 
     name = "dynamic"
 
     def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                 tier: str = "device") -> None:
+                 tier: str = "device", kv_dtype: torch.dtype | None = None) -> None:
         super().__init__(spec, ledger)
         if tier not in ("device", "host"):
             raise ValueError(f"tier must be 'device' or 'host', got {tier!r}")
         self.page_size = page_size
         self.tier = tier
         self.storage_device = spec.device if tier == "device" else spec.host_device
-        self._stores = [DenseKV(self.ledger, tier, self.storage_device, spec, page_size)
+        self.kv_dtype = spec.dtype if kv_dtype is None else kv_dtype
+        self._stores = [DenseKV(self.ledger, tier, self.storage_device, spec, page_size, storage_dtype=self.kv_dtype)
                         for _ in range(spec.n_layers)]
 
     def capacity(self, layer_idx: int) -> int:
@@ -74,7 +81,8 @@ class DynamicCache(KVCache):
 
     def supports_in_place(self, layer_idx: int) -> bool:
         spec = self.spec
-        return self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
+        return (self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
+                and self.kv_dtype in (torch.float32, torch.float16))  # what the native kernels read
 
     def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
         store = self._stores[layer_idx]
@@ -103,6 +111,16 @@ class DynamicCache(KVCache):
                 store.truncate(length)  # the buffers stay; later tokens overwrite the rows
 
 
+def stored_dtype(config: KVConfig, spec: KVSpec) -> torch.dtype:
+    """The dtype a dynamic cache stores its tokens in (``--kv-dtype``; "auto": the compute dtype)."""
+    return spec.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
+
+
+def stored_spec(config: KVConfig, spec: KVSpec) -> KVSpec:
+    """``spec`` with the stored dtype (what a token's bytes are counted in)."""
+    return dataclasses.replace(spec, dtype=stored_dtype(config, spec))
+
+
 def dense_cost(tier: str, spec: KVSpec, n_tokens: int) -> KVCost:
     """Every layer's tokens in the compute dtype on one tier, read once per decode step."""
     held = spec.n_layers * n_tokens * dense_token_bytes(spec)
@@ -112,8 +130,9 @@ def dense_cost(tier: str, spec: KVSpec, n_tokens: int) -> KVCost:
 STRATEGY = KVStrategy(
     name="dynamic",
     tiers=("device",),
-    build=lambda config, spec, ledger: DynamicCache(spec, ledger, page_size=config.kv_page_size),
-    token_bytes=lambda config, spec: {"device": spec.n_layers * dense_token_bytes(spec)},
-    cost=lambda config, spec, n_tokens, query_bytes: dense_cost("device", spec, n_tokens),
+    build=lambda config, spec, ledger: DynamicCache(spec, ledger, page_size=config.kv_page_size,
+                                                    kv_dtype=stored_dtype(config, spec)),
+    token_bytes=lambda config, spec: {"device": spec.n_layers * dense_token_bytes(stored_spec(config, spec))},
+    cost=lambda config, spec, n_tokens, query_bytes: dense_cost("device", stored_spec(config, spec), n_tokens),
     describe=lambda config: "dynamic KV",
 )

@@ -222,20 +222,24 @@ class TokenStore(ABC):
 
 
 class DenseKV(TokenStore):
-    """Keys and values in the compute dtype: fields k, v of shape (B, Hkv, capacity, D).
+    """Keys and values in the compute dtype (or ``storage_dtype``): fields k, v of shape (B, Hkv, capacity, D).
 
     Args:
         ledger, tier, device: where the bytes are and who counts them.
         spec: shape and dtype.
         granule: capacities are multiples of this many tokens (the page size).
         pin: page-locked host memory (for async copies to a CUDA device).
+        storage_dtype: the dtype the tokens are kept in (default: the compute dtype); e.g.
+            float16 under float32 compute halves the bytes (rounded to nearest on append;
+            :meth:`read` gives the compute dtype, the native decode step reads them as they are).
     """
 
     def __init__(
         self, ledger: MemoryLedger, tier: str, device: torch.device, spec: KVSpec, granule: int = 1,
-        pin: bool = False,
+        pin: bool = False, storage_dtype: torch.dtype | None = None,
     ) -> None:
-        fields = {name: Field((spec.head_dim,), spec.dtype) for name in ("k", "v")}
+        self.storage_dtype = spec.dtype if storage_dtype is None else storage_dtype
+        fields = {name: Field((spec.head_dim,), self.storage_dtype) for name in ("k", "v")}
         super().__init__(LedgeredBuffer(ledger, tier, device, (spec.batch_size, spec.n_kv_heads), fields, granule, pin),
                          spec)
 
@@ -243,7 +247,10 @@ class DenseKV(TokenStore):
         return {"k": k, "v": v}
 
     def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.buffer.rows("k", start, end), self.buffer.rows("v", start, end)
+        keys, values = self.buffer.rows("k", start, end), self.buffer.rows("v", start, end)
+        if self.storage_dtype != self.spec.dtype:  # a compute-dtype copy for PyTorch's attention
+            return keys.to(self.spec.dtype), values.to(self.spec.dtype)
+        return keys, values
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole key and value buffers (B, Hkv, capacity, D), for a kernel that writes rows

@@ -2,9 +2,10 @@
 
 Built once per model (:func:`hybridllm.kernels.native.build_native_steps`): a native step per
 CPU-resident float32 layer with stacked projections, the head, and the whole token in one call
-when every layer and the head are native. Each step runs natively only where it applies (batch
-1, one token, float32 activations on the CPU, a cache writable in place); otherwise that step
-runs the layer's PyTorch code, exactly as the eager backend would.
+when every layer and the head are native. Each step runs natively only where it applies (one
+token per row, float32 activations on the CPU, each row's cache writable in place; a batch of
+rows runs in one call, each row's logits bitwise as alone); otherwise that step runs the
+layer's PyTorch code, exactly as the eager backend would.
 """
 
 from __future__ import annotations
