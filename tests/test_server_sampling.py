@@ -47,6 +47,14 @@ def token_text(llm: LLM, token_id: int) -> str:
     return llm.tokenizer.decode([token_id])
 
 
+def token_bytes(llm: LLM, token_id: int) -> list[int]:
+    """OpenAI's ``bytes`` of a token: its text's UTF-8, or its raw bytes when it is not whole UTF-8 alone."""
+    text = token_text(llm, token_id)
+    if "\ufffd" not in text:
+        return list(text.encode())
+    return list(llm.engine.scheduler.grammars.ll_tokenizer().decode_bytes([token_id]))
+
+
 def eos_id(llm: LLM) -> int:
     return min(llm.tokenizer.eos_token_ids)
 
@@ -65,7 +73,7 @@ def test_chat_logprobs_are_the_engine_log_softmax(served):
     assert len(content) == len(generated)
     for position, (entry, token_id) in enumerate(zip(content, generated)):
         assert entry.token == token_text(llm, token_id)
-        assert entry.bytes == list(entry.token.encode())
+        assert entry.bytes == token_bytes(llm, token_id)
         assert entry.logprob == pytest.approx(float(reference[position, token_id]), abs=TOL)
         top_values, top_ids = torch.topk(reference[position], 3)
         assert [t.token for t in entry.top_logprobs] == [token_text(llm, int(t)) for t in top_ids]
