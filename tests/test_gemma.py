@@ -188,3 +188,28 @@ def test_llama_cpp_reads_our_gemma_gguf(tmp_path, arch):
     assert out == ref
     ours = LLM(model=gguf_path).generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert ours.token_ids == ref
+
+
+# Gemma 2's chat template as its tokenizer_config.json ships it (Gemma 3's adds system-prompt folding).
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+def test_gemma_chat_template_renders_and_refuses_what_it_refuses():
+    from hybridllm.errors import HybridLLMError
+    from hybridllm.loading.chat_template import ChatTemplate
+
+    template = ChatTemplate(GEMMA_CHAT_TEMPLATE, {"bos_token": "<bos>"})
+    messages = [{"role": "user", "content": "Hi "}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Why?"}]
+    assert template.render(messages, add_generation_prompt=True) == (
+        "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+        "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(HybridLLMError, match="System role not supported"):
+        template.render([{"role": "system", "content": "x"}, *messages])
