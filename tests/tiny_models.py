@@ -73,12 +73,14 @@ def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
                           original_max_position_embeddings=common["max_position_embeddings"])
     if arch in ("gemma2", "gemma3"):
         gemma = dict(common, head_dim=16, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
-                     tie_word_embeddings=True, pad_token_id=None, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh")
+                     tie_word_embeddings=True, pad_token_id=None, rms_norm_eps=1e-6,
+                     hidden_activation="gelu_pytorch_tanh")
         if arch == "gemma2":  # 4 layers: local, global, local, global
             gemma.update(num_hidden_layers=4, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
             return Gemma2Config(**{**gemma, **overrides})
         # 6 layers: 5 local, 1 global
-        gemma.update(num_hidden_layers=6, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+        gemma.update(num_hidden_layers=6, rope_local_base_freq=100.0,
+                     rope_scaling={"rope_type": "linear", "factor": 2.0})
         return Gemma3TextConfig(**{**gemma, **overrides})
     raise ValueError(arch)
 
