@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import build_hf_model, save_as_gguf  # noqa: E402
 
 ARCHS = ("llama", "llama3", "qwen2", "mistral")  # the Llama layout: every fast path runs them
-# Families with pieces the native kernels lack (q/k norm, partial rotary) or a stacked checkpoint.
-MORE_ARCHS = ("qwen3", "phi3", "phi3_partial")
+# Families with pieces the native kernels lack (q/k norm, partial rotary, the Gemma block and its
+# sliding-window / soft-capped attention) or a stacked checkpoint.
+MORE_ARCHS = ("qwen3", "phi3", "phi3_partial", "gemma2", "gemma3")
 ALL_ARCHS = ARCHS + MORE_ARCHS
 
 

@@ -97,7 +97,7 @@ def test_native_backend_runs_phi3(tiny_models):
 
 def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError, match="supported: llama.*qwen3.*phi3") as info:
-        ModelConfig.from_hf_dict({"model_type": "gemma2", "vocab_size": 10, "hidden_size": 8,
+        ModelConfig.from_hf_dict({"model_type": "falcon", "vocab_size": 10, "hidden_size": 8,
                                   "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2})
     assert "\n" not in str(info.value)
     assert {"qwen3", "phi3"} <= set(SUPPORTED_ARCHITECTURES)
@@ -114,11 +114,11 @@ def test_longrope_is_refused_in_one_line(tiny_models):
 def test_gguf_of_an_unsupported_architecture_names_the_supported_ones(tmp_path):
     import gguf
 
-    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "falcon")
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="'gemma2'.*supported: .*qwen3.*phi3"):
+    with pytest.raises(UnsupportedModelError, match="'falcon'.*supported: .*qwen3.*phi3.*gemma2.*gemma3"):
         GGUFFile(tmp_path / "g.gguf")

@@ -1,5 +1,5 @@
 """Parity with Hugging Face transformers on tiny random Llama / Llama-3 / Qwen2 / Mistral / Qwen3 /
-Phi-3 models, loaded both from safetensors folders and from GGUF files written like llama.cpp's
+Phi-3 / Gemma 2 / Gemma 3 models, loaded both from safetensors folders and from GGUF files written like llama.cpp's
 converter."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.kvcache import DynamicCache, KVSpec
+from hybridllm.kvcache.attention import layer_attention
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
 
@@ -25,7 +26,7 @@ def _path(tiny_models, arch, fmt):
 def _cache_for(model) -> DynamicCache:
     c = model.config
     return DynamicCache(KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, torch.device("cpu"),
-                               max_tokens=c.max_position_embeddings), page_size=16)
+                               max_tokens=c.max_position_embeddings, attention=layer_attention(c)), page_size=16)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -42,15 +42,19 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
 
 def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
     """A transformers config of a tiny model of ``arch`` (llama, llama3, qwen2, mistral, qwen3, phi3,
-    phi3_partial: Phi-3 with half of each head rotated, as Phi-4-mini's 3/4)."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    phi3_partial: Phi-3 with half of each head rotated, as Phi-4-mini's 3/4; gemma2, gemma3: a
+    sliding window of 8 tokens, a score scale other than head_dim's, small soft-caps (Gemma 2) and
+    a local rotary base and linear global scaling (Gemma 3), so that each of them changes the logits)."""
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
         eos_token_id=eos_id, bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0,
     )
-    common.update(overrides)
+    if arch not in ("gemma2", "gemma3"):
+        common.update(overrides)
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "llama3":
@@ -67,7 +71,21 @@ def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
         factor = 0.5 if arch == "phi3_partial" else 1.0
         return Phi3Config(**common, pad_token_id=None, sliding_window=None, partial_rotary_factor=factor,
                           original_max_position_embeddings=common["max_position_embeddings"])
+    if arch in ("gemma2", "gemma3"):
+        gemma = dict(common, head_dim=16, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+                     tie_word_embeddings=True, pad_token_id=None, rms_norm_eps=1e-6,
+                     hidden_activation="gelu_pytorch_tanh")
+        if arch == "gemma2":  # 4 layers: local, global, local, global
+            gemma.update(num_hidden_layers=4, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
+            return Gemma2Config(**{**gemma, **overrides})
+        # 6 layers: 5 local, 1 global
+        gemma.update(num_hidden_layers=6, rope_local_base_freq=100.0,
+                     rope_scaling={"rope_type": "linear", "factor": 2.0})
+        return Gemma3TextConfig(**{**gemma, **overrides})
     raise ValueError(arch)
+
+
+GEMMA_WINDOW = 8  # the tiny Gemmas' sliding window: test prompts are longer
 
 
 def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides):
@@ -82,7 +100,8 @@ def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides
                       if t["content"] == "<|im_end|>")
     config = hf_config(arch, vocab, eos_id, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # transformers' eager attention: its SDPA path drops Gemma 2's soft-capping
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():  # larger weights than HF's init so greedy choices are far from ties
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -96,13 +115,9 @@ def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides
 
 def save_as_gguf(hf_folder: Path, out_path: Path, weight_type: str = "F32") -> Path:
     """Write the HF folder's model as a GGUF file, as llama.cpp's converter would."""
-    from safetensors.torch import load_file
-
-    from hybridllm.config import ModelConfig
     from hybridllm.loading.gguf_writer import tokenizer_metadata_from_hf, write_gguf
+    from hybridllm.loading.safetensors import HFCheckpoint
 
-    config = ModelConfig.from_hf_dict(json.loads((hf_folder / "config.json").read_text()))
-    tensors = {}
-    for file in sorted(hf_folder.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    return write_gguf(out_path, config, tensors, tokenizer_metadata_from_hf(hf_folder), weight_type)
+    checkpoint = HFCheckpoint(hf_folder)  # the tensors as the model holds them (Gemma norms: 1 + w)
+    tensors = {name: checkpoint.dequantize(name, checkpoint.read(name)) for name in checkpoint.parameter_names()}
+    return write_gguf(out_path, checkpoint.config, tensors, tokenizer_metadata_from_hf(hf_folder), weight_type)

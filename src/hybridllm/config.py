@@ -28,6 +28,15 @@ class ArchFamily:
             the model does (Phi-3); otherwise q/k/v and gate/up are separate and stacked at load.
         qkv_bias: the default of ``attention_bias`` when config.json omits it (Qwen2).
         sliding_window_by_default: ``sliding_window`` applies without ``use_sliding_window``.
+        gemma_layout: the Gemma decoder: embedding scaled by sqrt(hidden_size), a GeGLU MLP (gelu,
+            tanh approximation), norms around attention and the MLP (post-attention,
+            pre/post-feedforward), RMSNorm scaling in float32 by weights stored as 1 + w in the
+            model and in GGUF (Hugging Face checkpoints store w: the loader adds 1).
+        sliding_window_pattern: every ``n``-th layer (1-based) attends globally and the others
+            through ``sliding_window`` when a checkpoint does not list its layer types (llama.cpp
+            fixes it per family: Gemma 2 alternates, Gemma 3 has 5 local : 1 global); 0: none.
+        local_rope_theta: the rotary base of the sliding-window layers when the file does not
+            name one (Gemma 3: 10000); None: every layer uses ``rope_theta``.
     """
 
     label: str
@@ -36,6 +45,9 @@ class ArchFamily:
     stacked_checkpoint: bool = False
     qkv_bias: bool = False
     sliding_window_by_default: bool = False
+    gemma_layout: bool = False
+    sliding_window_pattern: int = 0
+    local_rope_theta: float | None = None
 
 
 # Our architecture names (the Hugging Face ``model_type``s) -> what each family has.
@@ -46,6 +58,9 @@ ARCHITECTURES: dict[str, ArchFamily] = {
     "qwen3": ArchFamily("qwen3", gguf_arch="qwen3", qk_norm=True),
     "phi3": ArchFamily("phi3 (Phi-3 4K, partial rotary)", gguf_arch="phi3", stacked_checkpoint=True,
                        sliding_window_by_default=True),
+    "gemma2": ArchFamily("gemma2 (Gemma 2)", gguf_arch="gemma2", gemma_layout=True, sliding_window_pattern=2),
+    "gemma3_text": ArchFamily("gemma3_text (Gemma 3 text)", gguf_arch="gemma3", qk_norm=True, gemma_layout=True,
+                              sliding_window_pattern=6, local_rope_theta=10000.0),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ARCH_TEXT = ", ".join(family.label for family in ARCHITECTURES.values())
@@ -111,6 +126,14 @@ class ModelConfig:
     sliding_window: int | None = None
     # Share of each head's dimensions that is rotated (Phi-3 / Phi-4-mini); the rest passes through.
     partial_rotary_factor: float = 1.0
+    # Gemma: which layers attend through ``sliding_window`` (empty: none; Mistral and Phi-3 read
+    # ``sliding_window`` but attend globally, as before), their rotary base, the attention scale
+    # ``query_pre_attn_scalar ** -0.5`` and the tanh soft-capping of attention scores and logits.
+    sliding_layers: tuple[bool, ...] = ()
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -131,6 +154,24 @@ class ModelConfig:
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ConfigError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives "
                               f"{self.rotary_dim} rotated dimensions of {self.head_dim}; they must be even and > 0")
+        if self.sliding_layers and (len(self.sliding_layers) != self.n_layers or not self.sliding_window):
+            raise ConfigError(f"model config: {len(self.sliding_layers)} layer types for {self.n_layers} layers "
+                              f"(sliding window {self.sliding_window})")
+        for attr in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, attr)
+            if value is not None and value <= 0:
+                raise ConfigError(f"model config: {attr} must be > 0, got {value}")
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of a layer's attention (keys it sees, its own included); None: all."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer_idx] else None
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The factor of the attention scores when it is not ``head_dim ** -0.5`` (Gemma's
+        ``query_pre_attn_scalar ** -0.5``); None: the usual one."""
+        scalar = self.query_pre_attn_scalar
+        return None if scalar is None or scalar == self.head_dim else scalar ** -0.5
 
     @property
     def family(self) -> ArchFamily:
@@ -160,7 +201,7 @@ class ModelConfig:
         if self.family.qk_norm:
             attn += 2 * self.head_dim
         mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size
+        norms = (4 if self.family.gemma_layout else 2) * self.hidden_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
         return self.n_layers * (attn + mlp + norms) + self.vocab_size * self.hidden_size + self.hidden_size + head
 
@@ -174,6 +215,8 @@ class ModelConfig:
         n_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         rope_params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        local_rope = rope_params.get("sliding_attention") or {}  # Gemma 3: rope per layer type
+        rope_params = rope_params.get("full_attention", rope_params)
         rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
         scaling = None
         rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
@@ -189,6 +232,8 @@ class ModelConfig:
             scaling = RopeScaling(kind="linear", factor=float(rope_params["factor"]))
         elif rope_type not in ("default", None):
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: {SUPPORTED_ROPE_SCALING}")
+        n_layers = int(cfg["num_hidden_layers"])
+        gemma = family.gemma_layout
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -196,7 +241,7 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            n_layers=int(cfg["num_hidden_layers"]),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or hidden // n_heads),
@@ -206,13 +251,35 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
             rope_scaling=scaling,
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", family.sliding_window_by_default)
-            else None,
+            sliding_window=cfg.get("sliding_window") if gemma or cfg.get("use_sliding_window",
+                                                                         family.sliding_window_by_default) else None,
+            sliding_layers=_sliding_layers(cfg, family, n_layers) if gemma and cfg.get("sliding_window") else (),
+            local_rope_theta=_local_rope_theta(cfg, family, local_rope),
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
             partial_rotary_factor=float(cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             name=str(cfg.get("_name_or_path", "")),
         )
+
+
+def _sliding_layers(cfg: dict[str, Any], family: ArchFamily, n_layers: int) -> tuple[bool, ...]:
+    """Which layers of a Gemma ``config.json`` attend through the sliding window: its
+    ``layer_types``, else its (or the family's) ``sliding_window_pattern``."""
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(kind == "sliding_attention" for kind in types)
+    pattern = int(cfg.get("sliding_window_pattern") or family.sliding_window_pattern)
+    return tuple(bool((i + 1) % pattern) for i in range(n_layers))
+
+
+def _local_rope_theta(cfg: dict[str, Any], family: ArchFamily, local_rope: dict[str, Any]) -> float | None:
+    """The rotary base of a Gemma 3 config's sliding-window layers (None: the global one)."""
+    if family.local_rope_theta is None:
+        return None
+    return float(local_rope.get("rope_theta") or cfg.get("rope_local_base_freq") or family.local_rope_theta)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ from hybridllm.kernels.threads import FixedTeam, ThreadPolicy
 from hybridllm.kvcache.base import KVCache
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.models.fuse import ConcatLinear
+from hybridllm.models.layers import SwiGLU
+from hybridllm.models.llama import GemmaDecoderLayer
 from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -294,6 +296,8 @@ class NativeDecodeLayer:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
         if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
             raise ValueError("q/k norm (Qwen3) has no native kernel")
+        if isinstance(layer, GemmaDecoderLayer) or type(mlp) is not SwiGLU:
+            raise ValueError("the Gemma block (GeGLU, norms around attention and the MLP) has no native kernel")
         if attn.rotary_dim != attn.head_dim:
             raise ValueError(f"partial rotary ({attn.rotary_dim} of {attn.head_dim} dimensions) has no native kernel")
         if isinstance(attn.qkv_proj, ConcatLinear) or isinstance(mlp.gate_up_proj, ConcatLinear):
@@ -449,7 +453,9 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
         report.layers += 1
         report.copy_bytes += native.copy_bytes
     head = None
-    if model.lm_head.weight.device.type == "cpu":
+    if model.config.final_logit_softcapping is not None:
+        report.skipped.append("head: soft-capped logits (Gemma 2) have no native kernel")
+    elif model.lm_head.weight.device.type == "cpu":
         try:
             head = NativeHead(model.lm_head, library, team)
             report.head = True

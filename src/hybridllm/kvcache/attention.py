@@ -14,6 +14,12 @@ by log-sum-exp (the fused CPU kernel returns it; only a (T, T) mask is built); a
 then math): PyTorch otherwise picks cuDNN at q_len 1, the slowest choice in the issue's profile.
 ``split_kv_attention`` is flash-decoding in PyTorch: the keys in chunks, each chunk's partial
 and log-sum-exp merged, the merged log-sum-exp returned for a further (tier) merge.
+
+A layer may attend otherwise (Gemma): a sliding window, another score scale, tanh soft-capping
+of the scores. ``causal_attention`` takes them as keyword options (defaults: plain attention, the
+paths above); with any of them set it runs :func:`windowed_attention`. A cache reads each layer's
+:class:`AttentionOptions` from its ``KVSpec.attention``; strategies that do not apply them refuse
+such a model (``KVStrategy.attention_options``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +35,45 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+if TYPE_CHECKING:
+    from hybridllm.config import ModelConfig
+
 # The SDPA backends allowed on CUDA, in PyTorch's order of preference: flash (bf16/fp16, no mask),
 # memory-efficient (any mask), math (last resort, never raises). cuDNN is left out: at q_len 1 it
 # took 73% of a decode step's CPU time on the issue's H100 profile.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer's attention differs from plain causal softmax(q k^T / sqrt(D)) v.
+
+    Attributes:
+        scale: the factor of the scores (None: 1 / sqrt(head_dim)); Gemma's
+            ``query_pre_attn_scalar ** -0.5``.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2).
+        window: a query sees only the ``window`` newest keys, its own included (a sliding-window
+            layer); None: every earlier key.
+    """
+
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Whether these are the defaults (every strategy's own path applies)."""
+        return self.scale is None and self.softcap is None and self.window is None
+
+
+PLAIN = AttentionOptions()
+
+
+def layer_attention(config: ModelConfig) -> tuple[AttentionOptions, ...]:
+    """Every layer's :class:`AttentionOptions` of a model; () when all of them are plain."""
+    options = tuple(AttentionOptions(config.attention_scale, config.attn_logit_softcapping, config.layer_window(i))
+                    for i in range(config.n_layers))
+    return () if all(o.plain for o in options) else options
 
 
 def causal_mask(n_queries: int, n_keys: int, query_start: int, device: torch.device) -> torch.Tensor:
@@ -41,15 +83,20 @@ def causal_mask(n_queries: int, n_keys: int, query_start: int, device: torch.dev
     return k_pos <= q_pos
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int, *,
+                     scale: float | None = None, softcap: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Causal grouped-query attention.
 
     Args:
         q: (B, H, T, D) queries at positions ``query_start .. query_start + T - 1``.
         k, v: (B, Hkv, S, D) keys/values at positions ``0 .. S - 1`` (S = query_start + T).
+        scale, softcap, window: as :class:`AttentionOptions` (None: plain attention).
     Returns:
         (B, H, T, D).
     """
+    if scale is not None or softcap is not None or window is not None:
+        return windowed_attention(q, k, v, query_start, AttentionOptions(scale, softcap, window))
     batch, n_heads, n_queries, head_dim = q.shape
     n_kv_heads = k.shape[1]
     groups = n_heads // n_kv_heads
@@ -62,6 +109,38 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
     if q.device.type == "cuda":  # chunked prefill: lower-right causal, no (T, S) mask
         return lower_right_causal_attention(q, k, v)
     return split_causal_attention(q, k, v, query_start).to(q.dtype)
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int,
+                       options: AttentionOptions) -> torch.Tensor:
+    """Causal attention with a sliding window, another scale and/or soft-capped scores, in the
+    order of transformers' eager Gemma attention: scores x scale, soft-cap, mask, float32 softmax.
+
+    Keys older than every query's window are not read (a decode step reads ``window`` keys).
+
+    Args:
+        q: (B, H, T, D) at positions ``query_start ..``; k, v: (B, Hkv, query_start + T, D).
+        options: the layer's :class:`AttentionOptions`.
+    Returns:
+        (B, H, T, D) in q's dtype.
+    """
+    batch, n_heads, n_queries, head_dim = q.shape
+    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    first = 0 if options.window is None else max(0, query_start - options.window + 1)  # oldest key any query sees
+    k, v = k[:, :, first:], v[:, :, first:]  # (B, Hkv, S', D)
+    q_pos = torch.arange(query_start, query_start + n_queries, device=q.device)[:, None]  # (T, 1)
+    k_pos = torch.arange(first, n_keys, device=q.device)[None, :]  # (1, S')
+    visible = k_pos <= q_pos
+    if options.window is not None:
+        visible = visible & (k_pos > q_pos - options.window)  # (T, S')
+    scale = options.scale if options.scale is not None else head_dim ** -0.5
+    q5 = q.float().reshape(batch, n_kv_heads, n_heads // n_kv_heads, n_queries, head_dim)  # (B, Hkv, G, T, D)
+    scores = torch.matmul(q5, k.float().unsqueeze(2).transpose(-1, -2)) * scale  # (B, Hkv, G, T, S')
+    if options.softcap is not None:
+        scores = torch.tanh(scores / options.softcap) * options.softcap
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    out = torch.matmul(probs, v.float().unsqueeze(2))  # (B, Hkv, G, T, D)
+    return out.reshape(batch, n_heads, n_queries, head_dim).to(q.dtype)
 
 
 def lower_right_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridllm.errors import ConfigError, HybridLLMError
+from hybridllm.kvcache.attention import PLAIN, AttentionOptions
 
 TIERS = ("device", "host")
 
@@ -109,6 +110,17 @@ class KVSpec:
     host_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     batch_size: int = 1
     max_tokens: int = 4096  # the model's context window: the cache never holds more
+    # Each layer's attention options (sliding window, scale, soft-cap); (): plain everywhere.
+    attention: tuple[AttentionOptions, ...] = ()
+
+    def layer_options(self, layer_idx: int) -> AttentionOptions:
+        """How layer ``layer_idx`` attends (:data:`~hybridllm.kvcache.attention.PLAIN` by default)."""
+        return self.attention[layer_idx] if self.attention else PLAIN
+
+    @property
+    def plain_attention(self) -> bool:
+        """Whether every layer attends plainly (every strategy serves it)."""
+        return all(options.plain for options in self.attention)
 
     def token_bytes(self, element_size: float | None = None) -> float:
         """Bytes of K and V for one token in one layer."""

@@ -76,13 +76,16 @@ class DynamicCache(KVCache):
         store = self._stores[layer_idx]
         past = self._advance(layer_idx, k_new.shape[2])
         store.append(k_new, v_new)  # grows first: the copy keeps the tokens cached so far
-        keys, values = store.read()  # (B, Hkv, past+T, D)
-        return causal_attention(q, keys, values, query_start=past)
+        keys, values = store.read()  # (B, Hkv, past+T, D): a sliding window masks the older keys
+        options = self.spec.layer_options(layer_idx)
+        return causal_attention(q, keys, values, query_start=past, scale=options.scale, softcap=options.softcap,
+                                window=options.window)
 
     def supports_in_place(self, layer_idx: int) -> bool:
         spec = self.spec
         return (self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
-                and self.kv_dtype in (torch.float32, torch.float16))  # what the native kernels read
+                and self.kv_dtype in (torch.float32, torch.float16)  # what the native kernels read
+                and spec.layer_options(layer_idx).plain)  # the native kernel attends plainly
 
     def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
         store = self._stores[layer_idx]
@@ -135,4 +138,5 @@ STRATEGY = KVStrategy(
     token_bytes=lambda config, spec: {"device": spec.n_layers * dense_token_bytes(stored_spec(config, spec))},
     cost=lambda config, spec, n_tokens, query_bytes: dense_cost("device", stored_spec(config, spec), n_tokens),
     describe=lambda config: "dynamic KV",
+    attention_options=True,
 )

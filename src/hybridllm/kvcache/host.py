@@ -76,7 +76,9 @@ class HostCache(HostResidentCache):
         q_host = q.to(self.spec.host_device)
         self._count_bus("d2h", tensor_bytes(q))
         keys, values = store.read()  # (B, Hkv, past+T, D)
-        out = causal_attention(q_host, keys, values, query_start=past)
+        options = self.spec.layer_options(layer_idx)
+        out = causal_attention(q_host, keys, values, query_start=past, scale=options.scale, softcap=options.softcap,
+                               window=options.window)
         self._count_bus("h2d", tensor_bytes(out))
         return out.to(q.device)
 
@@ -98,4 +100,5 @@ STRATEGY = KVStrategy(
     cost=_host_cost,
     describe=lambda config: "KV and attention on the host",
     moving_parts=3,
+    attention_options=True,
 )

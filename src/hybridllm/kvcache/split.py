@@ -51,7 +51,8 @@ class SplitCache(KVCache):
         ):
             if not layers:
                 continue
-            part = build(replace(spec, n_layers=len(layers)))
+            attention = tuple(spec.attention[i] for i in layers) if spec.attention else ()
+            part = build(replace(spec, n_layers=len(layers), attention=attention))
             self.parts.append(part)
             for local, layer_idx in enumerate(layers):
                 self._route[layer_idx] = (part, local)

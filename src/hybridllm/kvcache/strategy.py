@@ -59,6 +59,8 @@ class KVStrategy:
             prefers fewer on a tie.
         spills_to_host: under a bounded device budget the cache moves its own cold pages to the
             host, keeping only a hot part on the device (so a new sequence needs room for that part).
+        attention_options: it applies every layer's ``KVSpec.attention`` (sliding window, scale,
+            soft-cap: Gemma); the others refuse a model that has any.
     """
 
     name: str
@@ -69,6 +71,7 @@ class KVStrategy:
     describe: Callable[[KVConfig], str]
     moving_parts: int = 0
     spills_to_host: bool = False
+    attention_options: bool = False
 
     def memory(self, config: KVConfig, spec: KVSpec, n_tokens: int) -> dict[str, float]:
         """Bytes per tier the cache holds at ``n_tokens`` (the memory model)."""

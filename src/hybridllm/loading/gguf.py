@@ -49,7 +49,8 @@ GGML_TYPES: dict[str, tuple[int, int, int]] = {
 _TYPE_BY_ID = {type_id: name for name, (type_id, _, _) in GGML_TYPES.items()}
 
 # GGUF architectures -> our ``ModelConfig.arch`` (Mistral files use the ``llama`` architecture).
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                      "gemma2": "gemma2", "gemma3": "gemma3_text"}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -79,6 +80,17 @@ _STACKED_BLOCK_NAMES = {
     "attn_qkv.bias": "self_attn.qkv_proj.bias",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+# The Gemma block: ``ffn_norm`` is the norm before the MLP; the norms after attention and the MLP.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# llama.cpp scales Gemma's attention by (hidden / heads) ** -0.5 in its 27B models (known by their
+# layer count) and by head_dim ** -0.5 otherwise; its converter writes no query_pre_attn_scalar.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+QUERY_PRE_ATTN_SCALAR = "{arch}.attention.query_pre_attn_scalar"  # ours, written where it differs
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 per-dimension rotary divisors: config, not a parameter
 LONGROPE_FACTORS = "rope_factors_long.weight"  # Phi-3 128K variants' longrope (not supported)
@@ -90,14 +102,15 @@ _NUMPY_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint
 _STRING, _ARRAY = 8, 9
 
 
-def hf_tensor_name(gguf_name: str, stacked_checkpoint: bool = False) -> str | None:
+def hf_tensor_name(gguf_name: str, stacked_checkpoint: bool = False, gemma_layout: bool = False) -> str | None:
     """The Hugging Face parameter name of a GGUF tensor, or None when it is not a parameter we know.
 
-    ``stacked_checkpoint``: the family stores q/k/v and gate/up stacked (``ArchFamily.stacked_checkpoint``).
+    ``stacked_checkpoint``: the family stores q/k/v and gate/up stacked (``ArchFamily.stacked_checkpoint``);
+    ``gemma_layout``: the Gemma block's norms (``ArchFamily.gemma_layout``).
     """
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    block_names = _STACKED_BLOCK_NAMES if stacked_checkpoint else _BLOCK_NAMES
+    block_names = _STACKED_BLOCK_NAMES if stacked_checkpoint else _GEMMA_BLOCK_NAMES if gemma_layout else _BLOCK_NAMES
     match = _BLOCK_RE.match(gguf_name)
     if match and match.group(2) in block_names:
         return f"model.layers.{match.group(1)}.{block_names[match.group(2)]}"
@@ -237,8 +250,9 @@ class GGUFFile:
             raise UnsupportedModelError(
                 f"{self.path}: rope scaling 'longrope' is not supported; supported: {SUPPORTED_ROPE_SCALING}"
             )
-        stacked = ARCHITECTURES[GGUF_ARCHITECTURES[gguf_arch]].stacked_checkpoint
-        unknown = [n for n in self.tensors if n != ROPE_FREQS and hf_tensor_name(n, stacked) is None]
+        family = ARCHITECTURES[GGUF_ARCHITECTURES[gguf_arch]]
+        unknown = [n for n in self.tensors
+                   if n != ROPE_FREQS and hf_tensor_name(n, family.stacked_checkpoint, family.gemma_layout) is None]
         if unknown:
             raise UnsupportedModelError(
                 f"{self.path}: unexpected tensors for a {gguf_arch} model (e.g. {unknown[0]}); "
@@ -266,6 +280,17 @@ class GGUFFile:
         head_dim = int(key("attention.key_length", hidden // n_heads))
         rotary_dim = int(key("rope.dimension_count", head_dim))
         eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
+        window = key("attention.sliding_window") or None  # phi3 files write 0 for none
+        gemma: dict[str, Any] = {}
+        if family.gemma_layout:
+            gemma = dict(
+                sliding_layers=self._sliding_layers(family, n_layers) if window else (),
+                local_rope_theta=key("rope.freq_base_swa", family.local_rope_theta),
+                query_pre_attn_scalar=float(md.get(QUERY_PRE_ATTN_SCALAR.format(arch=gguf_arch)) or (
+                    hidden // n_heads if _GEMMA_27B_LAYERS.get(gguf_arch) == n_layers else head_dim)),
+                attn_logit_softcapping=key("attn_logit_softcapping"),
+                final_logit_softcapping=key("final_logit_softcapping"),
+            )
         return ModelConfig(
             arch=GGUF_ARCHITECTURES[gguf_arch],
             vocab_size=int(vocab),
@@ -282,12 +307,22 @@ class GGUFFile:
             attention_bias="blk.0.attn_q.bias" in self.tensors or "blk.0.attn_qkv.bias" in self.tensors,
             rope_scaling=scaling,
             rope_freq_factors=freq_factors,
-            sliding_window=key("attention.sliding_window") or None,  # phi3 files write 0 for none
+            sliding_window=window,
             partial_rotary_factor=rotary_dim / head_dim,
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
             name=str(md.get("general.name", self.path.stem)),
+            **gemma,
         )
+
+    def _sliding_layers(self, family: Any, n_layers: int) -> tuple[bool, ...]:
+        """Which layers attend through the sliding window: the file's ``sliding_window_pattern``
+        (one bool per layer, or every n-th layer global), else the family's pattern (llama.cpp's)."""
+        pattern = self.metadata.get(f"{self.metadata['general.architecture']}.attention.sliding_window_pattern",
+                                    family.sliding_window_pattern)
+        if isinstance(pattern, list):
+            return tuple(bool(p) for p in pattern)
+        return tuple(bool((i + 1) % int(pattern)) for i in range(n_layers))
 
     # ---- tensors ------------------------------------------------------------------------
     def raw(self, name: str) -> np.ndarray:
@@ -333,8 +368,9 @@ class GGUFFile:
 
     def hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> Hugging Face parameter name, for every model parameter in the file."""
-        stacked = self.config.family.stacked_checkpoint
-        return {n: hf for n in self.tensors if (hf := hf_tensor_name(n, stacked)) is not None}
+        family = self.config.family
+        return {n: hf for n in self.tensors
+                if (hf := hf_tensor_name(n, family.stacked_checkpoint, family.gemma_layout)) is not None}
 
 
 def _ggml_type_label(type_id: int) -> str:

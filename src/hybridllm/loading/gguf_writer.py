@@ -17,6 +17,7 @@ import torch
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
 from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, permute_rows
+from hybridllm.loading.gguf import QUERY_PRE_ATTN_SCALAR
 from hybridllm.models.layers import rope_inverse_frequencies
 
 # Hugging Face parameter suffix -> GGUF tensor suffix (inverse of gguf.py's tables)
@@ -39,6 +40,13 @@ _HF_TO_GGUF_BLOCK = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # Phi-3: gate then up, as llama.cpp's converter writes it
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# The Gemma block (inverse of gguf.py's Gemma table).
+_HF_TO_GGUF_GEMMA_BLOCK = {
+    **_HF_TO_GGUF_BLOCK,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _HF_TO_GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -48,14 +56,16 @@ QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 GGUF_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, gemma_layout: bool = False) -> str:
+    """llama.cpp's name of a Hugging Face parameter (``gemma_layout``: the Gemma block's norms)."""
     if hf_name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[hf_name]
+    block_names = _HF_TO_GGUF_GEMMA_BLOCK if gemma_layout else _HF_TO_GGUF_BLOCK
     parts = hf_name.split(".")
     if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers":
         suffix = ".".join(parts[3:])
-        if suffix in _HF_TO_GGUF_BLOCK:
-            return f"blk.{parts[2]}.{_HF_TO_GGUF_BLOCK[suffix]}"
+        if suffix in block_names:
+            return f"blk.{parts[2]}.{block_names[suffix]}"
     raise ConfigError(f"no GGUF name for tensor {hf_name}")
 
 
@@ -81,7 +91,8 @@ def write_gguf(
     Args:
         path: output file.
         config: the model's numbers.
-        tensors: Hugging Face-named float tensors.
+        tensors: Hugging Face-named float tensors as the model holds them (Gemma norms: 1 + w,
+            what ``checkpoint.dequantize`` returns and llama.cpp's converter writes).
         tokenizer_metadata: ``tokenizer.*`` keys (see :func:`tokenizer_metadata_from_hf`).
         weight_type: GGML type of the weight matrices (one of ``QUANT_TYPES``).
         type_for: optional per-tensor override ``(hf_name, tensor) -> type``.
@@ -107,9 +118,14 @@ def write_gguf(
     if arch == "phi3":  # llama.cpp's phi3 reader requires these (a sliding window of 0: none)
         writer.add_rope_scaling_orig_ctx_len(config.max_position_embeddings)
         writer.add_sliding_window(config.sliding_window or 0)
+    if config.family.gemma_layout:
+        _add_gemma_metadata(writer, config)
     if config.head_dim != config.hidden_size // config.n_heads:
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if config.rope_scaling is not None and config.rope_scaling.kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_scaling.factor)
     if config.rope_scaling is not None and config.rope_scaling.kind == "llama3":
         # llama.cpp stores llama3 scaling as per-dimension divisors of the base frequencies
         scaled = rope_inverse_frequencies(config)
@@ -120,7 +136,7 @@ def write_gguf(
     for hf_name, tensor in tensors.items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, config.family.gemma_layout)
         data = tensor.detach().float().cpu()
         permuted = arch in PERMUTED_ARCHITECTURES
         if permuted and name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -142,6 +158,25 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def _add_gemma_metadata(writer, config: ModelConfig) -> None:
+    """The Gemma keys llama.cpp reads (sliding window, soft-capping, the local rotary base), and the
+    layer pattern and score scale where they differ from what llama.cpp assumes."""
+    family = config.family
+    if config.sliding_layers:
+        writer.add_sliding_window(config.sliding_window)
+        default = tuple(bool((i + 1) % family.sliding_window_pattern) for i in range(config.n_layers))
+        if config.sliding_layers != default:
+            writer.add_sliding_window_pattern(list(config.sliding_layers))
+    if config.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.local_rope_theta is not None:
+        writer.add_rope_freq_base_swa(config.local_rope_theta)
+    if config.query_pre_attn_scalar is not None and config.query_pre_attn_scalar != config.head_dim:
+        writer.add_float32(QUERY_PRE_ATTN_SCALAR.format(arch=family.gguf_arch), config.query_pre_attn_scalar)
 
 
 def _add_metadata(writer, key: str, value: object) -> None:

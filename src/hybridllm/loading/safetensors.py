@@ -59,7 +59,10 @@ class HFCheckpoint:
         return self._handles[self._where[name]].get_tensor(name)
 
     def dequantize(self, name: str, raw: torch.Tensor) -> torch.Tensor:
-        """Safetensors hold plain float tensors: nothing to dequantize."""
+        """Safetensors hold plain float tensors: nothing to dequantize. Gemma checkpoints store
+        each norm's w for a scale of 1 + w: the model (and GGUF) hold 1 + w, added in float32."""
+        if self.config.family.gemma_layout and name.endswith("norm.weight"):
+            return raw.float() + 1.0
         return raw
 
     def tokenizer(self):

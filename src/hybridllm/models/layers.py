@@ -1,4 +1,4 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP.
+"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU and GeGLU MLPs.
 
 Numerics follow Hugging Face transformers (norms and rotary tables in float32, then cast to the
 compute dtype) so that float32 logits match it to ~1e-5.
@@ -6,6 +6,7 @@ compute dtype) so that float32 logits match it to ~1e-5.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,12 +17,17 @@ from hybridllm.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm; statistics in float32."""
+    """Root-mean-square layer norm; statistics in float32.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    ``scale_in_float32``: the normed x is multiplied by the weight in float32 and then cast
+    (Gemma's order), instead of cast and then multiplied (Llama's); the same in float32.
+    """
+
+    def __init__(self, dim: int, eps: float, scale_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 == self.weight.dtype:  # already float32: one fused call, same math
@@ -29,6 +35,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_float32:
+            return (x32 * self.weight.float()).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -59,17 +67,34 @@ def _scale_inverse_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> 
     return torch.where(is_medium, blended, scaled)
 
 
+def rope_table_count(config: ModelConfig) -> int:
+    """Rotary tables a model needs: 2 when its sliding-window layers have their own base (Gemma 3)."""
+    return 1 if config.local_rope_theta is None else 2
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the "rotate half" layout (Hugging Face / NeoX)."""
+    """Rotary position embedding in the "rotate half" layout (Hugging Face / NeoX).
+
+    A model whose sliding-window layers rotate with their own base (Gemma 3's
+    ``rope_local_base_freq``, unscaled) gets both tables side by side: table ``i`` of the
+    (..., n_tables * rotary_dim) output is what :attr:`Attention.rope_table` ``i`` reads.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        inv_freqs = [rope_inverse_frequencies(config)]
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None,
+                                        rope_freq_factors=None)
+            inv_freqs.append(rope_inverse_frequencies(local))
+        self.register_buffer("inv_freq", torch.stack(inv_freqs), persistent=False)  # (n_tables, R/2)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables for ``positions`` (B, T), each (B, 1, T, rotary_dim) in ``dtype``."""
-        freqs = positions.to(self.inv_freq.device, torch.float32)[..., None] * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, T, D): broadcast over heads
+        """cos and sin tables for ``positions`` (B, T), each (B, 1, T, n_tables * rotary_dim) in ``dtype``."""
+        n_tables, half = self.inv_freq.shape
+        freqs = positions.to(self.inv_freq.device, torch.float32)[..., None, None] * self.inv_freq  # (B, T, n, R/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, n, R)
+        emb = emb.reshape(*emb.shape[:2], n_tables * 2 * half).unsqueeze(1)  # (B, 1, T, n*R): broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -89,7 +114,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLU(nn.Module):
-    """The Llama MLP: down(silu(gate(x)) * up(x)), gate and up stacked in one projection."""
+    """The Llama MLP: down(act(gate(x)) * up(x)) with act = silu, gate and up stacked in one projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -98,4 +123,16 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (..., intermediate) each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
+
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
+
+class GeGLU(SwiGLU):
+    """The Gemma MLP: the same gated product with gelu (tanh approximation, ``gelu_pytorch_tanh``)."""
+
+    @staticmethod
+    def activation(gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")

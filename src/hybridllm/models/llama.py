@@ -1,12 +1,15 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, SmolLM) in plain PyTorch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Phi-3, Gemma 2/3, SmolLM) in plain PyTorch.
 
 Parameter names equal Hugging Face's (``model.layers.0.self_attn.o_proj.weight`` ...), except
 that the projections reading the same input are stacked: ``self_attn.qkv_proj`` (q, k, v) and
 ``mlp.gate_up_proj`` (gate, up). :meth:`LlamaForCausalLM.stacked_projections` names the
 checkpoint projections each one is built from; the loaders stack them
 (:func:`hybridllm.models.fuse.stack_projections`); Phi-3 checkpoints store them stacked already.
-What a family adds (Qwen3's q/k norm, Phi-3's partial rotary) is a submodule or a table size
-chosen at construction from ``config.family``; the forward is the same code for every family.
+What a family adds (Qwen3's q/k norm, Phi-3's partial rotary, Gemma's norms around attention and
+the MLP, GeGLU, embedding scale and logit soft-capping) is a submodule, a layer class or a table
+size chosen at construction from ``config.family``; the forward is the same code for every family.
+How a layer attends (Gemma's sliding window, score scale and soft-capping) is the KV cache's
+business: it reads the layer's options from its ``KVSpec`` (``kvcache.attention.layer_attention``).
 
 The model does not know where KV lives: every attention layer hands its new keys and values to
 ``cache.attend`` and gets the output back. Nor does it know where its pieces live or how a
@@ -23,7 +26,7 @@ from torch import nn
 
 from hybridllm.config import ModelConfig
 from hybridllm.kvcache.base import KVCache
-from hybridllm.models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from hybridllm.models.layers import GeGLU, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class Attention(nn.Module):
     """Grouped-query self-attention whose score/softmax/value step is owned by the KV cache.
 
     ``q_norm`` / ``k_norm``: a per-head RMSNorm of q and k before rotary where the family has one
-    (Qwen3), else ``nn.Identity``.
+    (Qwen3, Gemma 3), else ``nn.Identity``. ``rope_table``: which of the model's rotary tables the
+    layer rotates with (1: the sliding-window layers' own base, Gemma 3; else 0).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
@@ -58,9 +62,11 @@ class Attention(nn.Module):
         qkv_rows = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.n_heads * config.head_dim, config.hidden_size, bias=False)
-        qk_norm = config.family.qk_norm
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
+        qk_norm, gemma = config.family.qk_norm, config.family.gemma_layout
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, gemma) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, gemma) if qk_norm else nn.Identity()
+        local_table = config.local_rope_theta is not None and config.layer_window(layer_idx) is not None
+        self.rope_table = 1 if local_table else 0
 
     @property
     def qkv_rows(self) -> tuple[int, int, int]:
@@ -81,6 +87,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(batch, seq, n_qk + self.n_kv_heads, self.head_dim)  # (B, T, H+2Hkv, D)
         q = self.q_norm(qkv[:, :, :self.n_heads])  # (B, T, H, D)
         k = self.k_norm(qkv[:, :, self.n_heads:n_qk])  # (B, T, Hkv, D)
+        if cos.shape[-1] != self.rotary_dim:  # several tables side by side: this layer's one
+            start = self.rope_table * self.rotary_dim
+            cos, sin = cos[..., start:start + self.rotary_dim], sin[..., start:start + self.rotary_dim]
         qk = apply_rotary(torch.cat((q, k), dim=2).transpose(1, 2), cos, sin)  # (B, H+Hkv, T, D)
         v = qkv[:, :, n_qk:].transpose(1, 2)  # (B, Hkv, T, D)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v
@@ -97,10 +106,11 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        gemma = config.family.gemma_layout
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=gemma)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=gemma)
+        self.mlp = (GeGLU if gemma else SwiGLU)(config.hidden_size, config.intermediate_size)
 
     @property
     def device(self) -> torch.device:
@@ -108,8 +118,8 @@ class DecoderLayer(nn.Module):
         return self.input_layernorm.weight.device
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        q, k, v = self.attention_inputs(x, cos, sin)
+        return self.attention_outputs(x, cache.attend(self.self_attn.layer_idx, q, k, v))
 
     def attention_inputs(self, x: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,14 +132,34 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class GemmaDecoderLayer(DecoderLayer):
+    """The Gemma 2/3 block: norms on both sides of attention and of the (GeGLU) MLP.
+
+    x + post_attention_layernorm(attn(input_layernorm(x))), then
+    x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x))). Every norm scales in
+    float32 by its weight, which holds Gemma's 1 + w.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)  # post_attention_layernorm norms the attention's output here
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=True)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=True)
+
+    def attention_outputs(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn.output(attn))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 class DecoderStack(nn.Module):
     """Embedding, the layers and the final norm (Hugging Face's ``model.`` prefix)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        gemma = config.family.gemma_layout
+        layer_class = GemmaDecoderLayer if gemma else DecoderLayer
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, scale_in_float32=gemma)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,13 +216,18 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- the pieces a runner walks ---------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings (B, T, hidden) of ``input_ids`` (B, T), on the embedding's device."""
+        """Token embeddings (B, T, hidden) of ``input_ids`` (B, T), on the embedding's device;
+        Gemma scales them by sqrt(hidden_size), rounded to their dtype first as transformers does."""
         embed = self.model.embed_tokens
-        return embed(input_ids.to(embed.weight.device))
+        x = embed(input_ids.to(embed.weight.device))
+        if self.config.family.gemma_layout:
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        return x
 
     def rotary_tables(self, start_pos: int | torch.Tensor, seq: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (B or 1, 1, T, rotary_dim) of positions ``start_pos..start_pos+seq-1`` on ``device``."""
+        """cos and sin (B or 1, 1, T, n_tables * rotary_dim) of positions ``start_pos..start_pos+seq-1``
+        on ``device`` (n_tables: 2 where sliding-window layers have their own base, else 1)."""
         starts = torch.as_tensor(start_pos).reshape(-1, 1)  # (B or 1, 1)
         positions = starts + torch.arange(seq)  # (B or 1, T)
         cos, sin = self.rotary.cos_sin(positions, dtype)
@@ -202,8 +237,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (..., vocab) of normed hidden states (..., hidden)."""
-        return self.lm_head(x).float()
+        """Float32 logits (..., vocab) of normed hidden states (..., hidden), soft-capped
+        (cap * tanh(logits / cap)) where the model caps them (Gemma 2)."""
+        logits = self.lm_head(x).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ---- the plain forward -----------------------------------------------------------------
     def forward(

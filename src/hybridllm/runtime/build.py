@@ -26,6 +26,7 @@ import torch
 
 from hybridllm.config import EngineConfig, KVConfig
 from hybridllm.errors import ConfigError
+from hybridllm.kvcache.factory import check_attention_options
 from hybridllm.loading.loader import load_model
 from hybridllm.models.quantized import check_weights_mode, weights_format
 from hybridllm.placement.apply import (
@@ -135,6 +136,7 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         weight_bytes=weight_bytes_per_tier(model, placement, runner.backend), decode_weight_bytes=0,
         weights_format=weights_format(model), build_host_runner=build_host_runner,
     )
+    check_attention_options(placement.kv.kv_cache, runtime.kv_spec())  # one line now, not at the first request
     if placement.decode_on == "host":
         t0 = time.perf_counter()
         runtime.migration()

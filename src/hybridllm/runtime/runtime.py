@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridllm.config import EngineConfig, KVConfig, ModelConfig
 from hybridllm.errors import ConfigError
+from hybridllm.kvcache.attention import layer_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
 from hybridllm.kvcache.factory import create_cache
@@ -76,6 +77,7 @@ class Runtime:
             device=self.devices.device,
             host_device=self.devices.host,
             max_tokens=self.context_length,
+            attention=layer_attention(cfg),
         )
 
     def kv_ledger(self, host_budget: int | None = None) -> MemoryLedger:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridllm.errors import ConfigError
-from hybridllm.kvcache.attention import length_masked_decode_attention, split_kv_decode_attention
+from hybridllm.kvcache.attention import layer_attention, length_masked_decode_attention, split_kv_decode_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.kvcache.static import StaticKVPool, StaticSlotCache
@@ -98,6 +98,9 @@ class CudaGraphBackend(EagerBackend):
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         super().__init__(model)
+        if layer_attention(model.config):  # its captured step attends plainly over a static row
+            raise ConfigError("the cuda-graph decode backend has no sliding-window, scaled or soft-capped attention "
+                              "(this model has them); choose --decode-backend eager or compiled")
         self.device = model.lm_head.weight.device
         self.captures = self.device.type == "cuda"
         self.pool: StaticKVPool | None = None
