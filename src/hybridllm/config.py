@@ -430,6 +430,42 @@ class EngineConfig:
 KV_STRATEGIES = ("dynamic", "offloaded", "quantized", "tiered", "host")
 
 
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """KV reuse across requests (the prefix cache): its tiers' byte budgets.
+
+    Attributes:
+        ram: bytes of reusable pages kept in host RAM (0: no prefix cache, unless a disk tier).
+        disk_dir: directory of the disk tier (None: none). Its pages survive a restart.
+        disk_bytes: bytes of page files on disk (None: 8 GiB).
+    """
+
+    ram: int = 0
+    disk_dir: str | None = None
+    disk_bytes: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram > 0 or self.disk_dir is not None
+
+    @classmethod
+    def parse(cls, ram: str | int | None, disk_dir: str | None = None, disk_size: str | int | None = None,
+              total_ram: int | None = None) -> PrefixCacheConfig:
+        """From the flags: ``ram`` a size, 0, or "auto" (min(2 GiB, 10% of ``total_ram``)).
+
+        Raises:
+            ConfigError: a size that does not parse, or a disk size without a directory.
+        """
+        if isinstance(ram, str) and ram.strip().lower() == "auto":
+            ram_bytes = min(2 << 30, (total_ram or 0) // 10)
+        else:
+            ram_bytes = parse_bytes(ram) or 0
+        disk_bytes = parse_bytes(disk_size)
+        if disk_bytes is not None and disk_dir is None:
+            raise ConfigError("--prefix-cache-disk-size needs --prefix-cache-disk DIR")
+        return cls(ram=ram_bytes, disk_dir=str(disk_dir) if disk_dir is not None else None, disk_bytes=disk_bytes)
+
+
 @dataclass
 class KVConfig:
     """The KV cache policy: strategy and its sizes. Field names equal the CLI flags (snake case)."""

@@ -12,8 +12,11 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from hybridllm.config import EngineConfig, SamplingParams
+import psutil
+
+from hybridllm.config import EngineConfig, PrefixCacheConfig, SamplingParams
 from hybridllm.engine.llm_engine import GenerationResult, LLMEngine, StreamEvent
+from hybridllm.engine.prefix import build_prefix_cache
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.base import KVCache, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
@@ -58,6 +61,10 @@ class LLM:
             ``hybridllm.runtime.backends``); "auto" follows ``native_decode`` and ``compile``.
         ctx_size: llama.cpp's ``-c``: caps the context window (prompt + generated tokens) and
             sizes the KV to it; 0: the model's own window.
+        prefix_cache_ram: host RAM for KV pages reused across requests (a size such as "1GiB",
+            "auto": min(2 GiB, 10% of RAM); None or 0: no prefix cache unless a disk tier).
+        prefix_cache_disk: a directory for the prefix cache's disk tier (survives restarts).
+        prefix_cache_disk_size: bytes of page files allowed on disk (default 8 GiB).
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -80,6 +87,9 @@ class LLM:
         compile: bool = False,
         decode_backend: str = "auto",
         ctx_size: int = 0,
+        prefix_cache_ram: str | int | None = None,
+        prefix_cache_disk: str | os.PathLike | None = None,
+        prefix_cache_disk_size: str | int | None = None,
         **kv_options: Any,
     ) -> None:
         engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads,
@@ -89,7 +99,10 @@ class LLM:
         checkpoint = open_checkpoint(model)
         chosen = resolve_placement(checkpoint.config.n_layers, placement, n_gpu_layers, decode_on, weights, kv_options)
         self.runtime = build_runtime(checkpoint, engine_config, chosen, options)
-        self.engine = LLMEngine(self.runtime)
+        prefix_config = PrefixCacheConfig.parse(prefix_cache_ram, prefix_cache_disk, prefix_cache_disk_size,
+                                                total_ram=psutil.virtual_memory().total)
+        self.prefix_cache = build_prefix_cache(self.runtime, prefix_config)
+        self.engine = LLMEngine(self.runtime, prefix_cache=self.prefix_cache)
 
     # ---- what was built -----------------------------------------------------------------
     @property

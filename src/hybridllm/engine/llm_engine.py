@@ -20,6 +20,7 @@ from typing import Any
 from hybridllm.config import SamplingParams
 from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.scheduler import Scheduler
+from hybridllm.kvcache.prefix_cache import PrefixCache
 from hybridllm.engine.sequence import SeqEvent
 from hybridllm.errors import ConfigError, HybridLLMError
 
@@ -60,12 +61,14 @@ class LLMEngine:
     Args:
         runtime: the built model (:func:`hybridllm.runtime.build.build_runtime`).
         max_batch, max_queue, host_budget: the loop's limits (see :class:`Scheduler`).
+        prefix_cache: KV pages reused across requests (None: none).
     """
 
     def __init__(self, runtime: Any, max_batch: int = 16, max_queue: int = 256,
-                 host_budget: int | None = None) -> None:
+                 host_budget: int | None = None, prefix_cache: PrefixCache | None = None) -> None:
         self.runtime = runtime
-        self.scheduler = Scheduler(runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget)
+        self.scheduler = Scheduler(runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget,
+                                   prefix_cache=prefix_cache)
         self._ids = itertools.count()
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> GenerationResult:

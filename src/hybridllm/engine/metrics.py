@@ -74,6 +74,7 @@ class RequestMetrics:
 
     cold_start_s: float = 0.0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache supplied
     generated_tokens: int = 0
     ttft_s: float | None = None
     token_intervals_s: list[float] = field(default_factory=list)  # between consecutive tokens
@@ -97,6 +98,7 @@ class RequestMetrics:
             "decode_tps": len(intervals) / decode_s if decode_s > 0 else None,
             "prefill_tps": self.prompt_tokens / self.ttft_s if self.ttft_s else None,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "peak_host_bytes": self.peak_host_bytes,
             "peak_device_bytes": self.peak_device_bytes,

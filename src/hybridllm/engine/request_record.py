@@ -26,6 +26,7 @@ def sequence_metrics(seq: SequenceState, runtime: Any, peak_host_bytes: int, pea
     record = RequestMetrics(
         cold_start_s=runtime.cold_start.total_s,
         prompt_tokens=len(seq.prompt_ids),
+        cached_tokens=seq.cached_tokens,
         generated_tokens=len(seq.generated),
         ttft_s=ttft,
         token_intervals_s=list(seq.token_intervals),

@@ -67,6 +67,7 @@ from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.kvcache.copy import copy_cache
+from hybridllm.kvcache.prefix_cache import PrefixCache
 from hybridllm.kvcache.registry import admission_tiers, get_strategy, tiers_capacity
 from hybridllm.timing import synchronize
 
@@ -107,6 +108,7 @@ class Scheduler:
         max_queue: most requests waiting; more are refused with :class:`QueueFullError`.
         host_budget: bytes of host RAM the KV may use (None: unbounded).
         observer: metrics hooks.
+        prefix_cache: KV pages reused across requests (None: every prompt is prefilled whole).
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class Scheduler:
         max_queue: int = 256,
         host_budget: int | None = None,
         observer: SchedulerObserver | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
@@ -142,6 +145,7 @@ class Scheduler:
         self.capacity = tiers_capacity(TIERS if self.adaptive else admission_tiers(self.kv_strategy), budgets)
         self.host_memory = HostPeakMemory()
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.prefix_cache = prefix_cache
         self._cond = threading.Condition()
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._running: list[SequenceState] = []
@@ -293,6 +297,9 @@ class Scheduler:
             "kv_reserved_bytes": self._reserved,
             "kv_capacity_bytes": self.capacity,
             "bus_bytes": bus,
+            "prefix_cache": None if self.prefix_cache is None else {
+                "queries": self.prefix_cache.stats.queries, "hits": self.prefix_cache.stats.hits,
+                "bytes": self.prefix_cache.bytes_per_tier()},
         }
 
     # ---- the loop ----------------------------------------------------------------------------
@@ -386,6 +393,11 @@ class Scheduler:
         if params.repetition_penalty != 1.0:
             seq.history = torch.tensor(seq.prompt_ids, dtype=torch.long)
         seq.adopt(self._new_cache(seq, on_host=False), self.runtime.runner)
+        if self.prefix_cache is not None and params.prompt_logprobs is None:  # prompt logprobs need every row
+            # at least the last prompt token is prefilled: its logits choose the first token
+            seq.cached_tokens = self.prefix_cache.restore(seq.prompt_ids, seq.cache, len(seq.prompt_ids) - 1,
+                                                          self.prefill_chunk)
+            seq.prefilled = seq.cached_tokens
         if alone:
             self._reset_peaks()
         self.observer.on_scheduled(seq)
@@ -474,6 +486,7 @@ class Scheduler:
             if want_prompt_logprobs:
                 self._record_prompt_logprobs(seq, start, end, logits[0])
             if end == len(seq.prompt_ids):
+                self._keep_pages(seq, seq.prompt_ids)
                 if self.runtime.placement.decode_on == "host":
                     self._migrate(seq)
                 self.observer.on_prompt_done(seq)
@@ -626,6 +639,7 @@ class Scheduler:
         tail = seq.output.tail()
         seq.finish_reason = reason
         metrics = self._metrics(seq)
+        self._keep_pages(seq, seq.prompt_ids + seq.generated)  # a next turn resends these tokens
         self._release(seq)  # the KV is free before the client hears the end
         self._emit(seq, SeqEvent(
             seq.request_id, tail, finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
@@ -635,6 +649,15 @@ class Scheduler:
             all_logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
         ))
         self.observer.on_finished(seq)
+
+    def _keep_pages(self, seq: SequenceState, token_ids: list[int]) -> None:
+        """Offer the whole pages of ``token_ids`` held in the sequence's cache to the prefix cache."""
+        if self.prefix_cache is None or seq.cache is None or seq.index:  # forks repeat their parent's prompt
+            return
+        try:
+            self.prefix_cache.store(token_ids, seq.cache)
+        except Exception:  # reuse is an optimisation: the request itself must not fail for it
+            logger.exception("%s: could not keep KV pages in the prefix cache", seq.request_id)
 
     @staticmethod
     def _take_unsent_logprobs(seq: SequenceState) -> list[TokenLogprob]:

@@ -173,6 +173,17 @@ class KVCache(ABC):
     def _release_from(self, length: int) -> None:
         """Drop storage of every token at position >= ``length`` in every layer (and free it)."""
 
+    def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append ``keys``/``values`` (B, Hkv, T, D), a layer's next T tokens, without attending.
+
+        They are stored the way the strategy stores new tokens (its pages, tiers and quantization
+        apply). This fills a cache from another one: a fork of the prompt's KV, a reused prefix.
+        Strategies that cannot say so (:attr:`extendable` False).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot append tokens without attending")
+
+    extendable: bool = False  # whether :meth:`extend` is implemented
+
     # ---- shared behaviour ---------------------------------------------------------------
     @property
     def seq_length(self) -> int:

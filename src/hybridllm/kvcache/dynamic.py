@@ -39,6 +39,7 @@ class DynamicCache(KVCache):
     """
 
     name = "dynamic"
+    extendable = True
 
     def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, page_size: int = DEFAULT_PAGE_SIZE,
                  tier: str = "device", kv_dtype: torch.dtype | None = None) -> None:

@@ -34,9 +34,15 @@ class HostResidentCache(KVCache):
         self._stores = [DenseKV(self.ledger, "host", spec.host_device, spec, page_size, pin)
                         for _ in range(spec.n_layers)]
 
+    extendable = True
+
     def reserve(self, n_tokens: int) -> None:
         for store in self._stores:
             store.reserve(min(n_tokens, self.spec.max_tokens))
+
+    def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._advance(layer_idx, keys.shape[2])
+        self._count_bus("d2h", self._stores[layer_idx].append(keys, values))
 
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"device": [], "host": [t for store in self._stores for t in store.tensors()]}

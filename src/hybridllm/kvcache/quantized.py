@@ -56,13 +56,27 @@ class QuantizedCache(KVCache):
             packed.reserve(max(0, n_tokens - self.residual))
             recent.reserve(min(n_tokens, self._residual_capacity))
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-        packed, recent = self._packed[layer_idx], self._recent[layer_idx]
+    extendable = True
+
+    def _tail(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Count the new tokens in; returns the layer's length before them and the full-precision
+        tail (the recent tokens, then the new ones): (B, Hkv, n_recent+T, D) each."""
         past = self._advance(layer_idx, k_new.shape[2])
+        recent = self._recent[layer_idx]
         recent.reserve(self._residual_capacity)  # fixed size: the new tokens never all land in it
         recent_k, recent_v = recent.read()
-        tail_k = torch.cat([recent_k, k_new], dim=2)  # (B, Hkv, n_recent+T, D)
-        tail_v = torch.cat([recent_v, v_new], dim=2)
+        k_new, v_new = k_new.to(recent_k.device), v_new.to(recent_v.device)
+        return past, torch.cat([recent_k, k_new], dim=2), torch.cat([recent_v, v_new], dim=2)
+
+    def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        _, tail_k, tail_v = self._tail(layer_idx, keys, values)
+        n_new = keys.shape[2]
+        self._settle(self._packed[layer_idx], self._recent[layer_idx], tail_k, tail_v,
+                     tail_k[:, :, -n_new:], tail_v[:, :, -n_new:])
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        packed, recent = self._packed[layer_idx], self._recent[layer_idx]
+        past, tail_k, tail_v = self._tail(layer_idx, k_new, v_new)
         if packed.length:
             out = self._attend_packed_and_tail(q, packed, tail_k, tail_v, past)
         else:

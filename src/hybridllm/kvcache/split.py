@@ -79,6 +79,14 @@ class SplitCache(KVCache):
         part, local = self._route[layer_idx]
         return part.read_layer(local)
 
+    @property
+    def extendable(self) -> bool:  # type: ignore[override]
+        return all(part.extendable for part in self.parts)
+
+    def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        part, local = self._route[layer_idx]
+        part.extend(local, keys, values)
+
     def host_tokens(self, layer_idx: int) -> int:
         part, local = self._route[layer_idx]
         return part.host_tokens(local)

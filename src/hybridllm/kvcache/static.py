@@ -139,15 +139,26 @@ class StaticSlotCache(KVCache):
         self.slot()
         self.pool.ensure_capacity(min(n_tokens, self.spec.max_tokens))
 
+    extendable = True
+
     def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        past, end = self._write(layer_idx, k_new, v_new)
+        row = self.row
+        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
+        return causal_attention(q, keys[row:row + 1, :, :end], values[row:row + 1, :, :end], query_start=past)
+
+    def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._write(layer_idx, keys, values)
+
+    def _write(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[int, int]:
+        """Write the new tokens into the row; returns the layer's length before and after them."""
         row = self.slot()
         past = self._advance(layer_idx, k_new.shape[2])
         end = past + k_new.shape[2]
         self.pool.ensure_capacity(end)
-        keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]
-        keys[row, :, past:end] = k_new[0]  # (Hkv, T, D)
-        values[row, :, past:end] = v_new[0]
-        return causal_attention(q, keys[row:row + 1, :, :end], values[row:row + 1, :, :end], query_start=past)
+        self.pool.keys[layer_idx][row, :, past:end] = k_new[0]  # (Hkv, T, D)
+        self.pool.values[layer_idx][row, :, past:end] = v_new[0]
+        return past, end
 
     def advance_all(self) -> int:
         """Record one token appended to every layer by a static step; returns its position."""

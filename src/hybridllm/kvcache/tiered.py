@@ -78,7 +78,20 @@ class TieredCache(KVCache):
         self._cold = [self._new_cold_store(cold_bits) for _ in range(n)]
 
     # ---- the contract -------------------------------------------------------------------
+    extendable = True
+
     def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+        self._store(layer_idx, k_new, v_new)
+        out = self._attention(layer_idx, q)
+        self._settle(layer_idx)
+        return out
+
+    def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._store(layer_idx, keys, values)
+        self._settle(layer_idx)
+
+    def _store(self, layer_idx: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Make room in the hot store (evicting cold pages as the policy says) and append the new tokens."""
         table, hot = self._tables[layer_idx], self._hot[layer_idx]
         n_new = k_new.shape[2]
         max_hot = self._max_hot_tokens(hot)
@@ -87,9 +100,11 @@ class TieredCache(KVCache):
         self._advance(layer_idx, n_new)
         table.append(n_new)
         hot.append(k_new, v_new)
-        out = self._attention(layer_idx, q)
+
+    def _settle(self, layer_idx: int) -> None:
+        """Move the pages the policy wants cold to the host."""
+        table = self._tables[layer_idx]
         self._evict(layer_idx, pages_to_settle(table, self._target_cold_pages(table.length)))
-        return out
 
     def reserve(self, n_tokens: int) -> None:
         """Allocate the hot stores once for what the policy keeps hot (within the device budget)."""

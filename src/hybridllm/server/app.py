@@ -353,12 +353,15 @@ def create_app(
             if event.error is not None:
                 raise APIError(500, event.error, type="server_error")
 
-    def usage(events: list[SeqEvent], count_completion: bool = True) -> dict[str, int]:
-        """The prompt once, and every sequence's completion tokens."""
+    def usage(events: list[SeqEvent], count_completion: bool = True) -> dict[str, Any]:
+        """The prompt once, and every sequence's completion tokens; the prompt tokens the prefix
+        cache supplied (OpenAI's ``prompt_tokens_details.cached_tokens``)."""
         prompt_tokens = events[0].prompt_tokens
         completion_tokens = sum(event.completion_tokens for event in events) if count_completion else 0
+        cached = max((event.metrics or {}).get("cached_tokens", 0) for event in events)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -229,6 +229,17 @@ class _EngineCollector(Collector):
         for direction, n in stats["bus_bytes"].items():
             c.add_metric([name, direction], n)
         yield c
+        prefix = stats["prefix_cache"]
+        if prefix is not None:  # vLLM's names; counted in prompt tokens
+            for metric, key, doc in (("prefix_cache_queries", "queries", "Prompt tokens looked up in the prefix cache."),
+                                     ("prefix_cache_hits", "hits", "Prompt tokens whose KV the prefix cache supplied.")):
+                c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+                c.add_metric([name], prefix[key])
+                yield c
+            g = gauge("prefix_cache_bytes", "Bytes of reusable KV pages held by the prefix cache, per tier.", ["tier"])
+            for tier, n in prefix["bytes"].items():
+                g.add_metric([name, tier], n)
+            yield g
         runtime = s.runtime
         g = gauge("weight_bytes", "Model weight bytes per tier (the placement).", ["tier"])
         for tier, n in runtime.weight_bytes.items():

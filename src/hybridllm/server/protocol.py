@@ -252,10 +252,15 @@ class CompletionRequest(SamplingFields):
 
 
 # ---- responses ---------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache (not prefilled).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):
