@@ -8,7 +8,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from hybridllm.cli.options import KVOptions, ModelOptions, PlacementOptions, SpeedOptions, load_llm, with_option_groups
+from hybridllm.cli.options import (
+    KVOptions,
+    ModelOptions,
+    PlacementOptions,
+    PrefixCacheOptions,
+    SpeedOptions,
+    load_llm,
+    with_option_groups,
+)
 from hybridllm.errors import ConfigError
 
 
@@ -31,6 +39,7 @@ def generate(
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
+    prefix: PrefixCacheOptions = PrefixCacheOptions(),
 ) -> None:
     """Generate a completion and report what each phase cost."""
     from hybridllm.config import SamplingParams
@@ -46,7 +55,7 @@ def generate(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop or []), ignore_eos=ignore_eos,
     )
-    llm = load_llm(model, placement, kv, speed)
+    llm = load_llm(model, placement, kv, speed, prefix)
     use_chat = llm.tokenizer.has_chat_template if chat is None else chat
     request = [{"role": "user", "content": prompt}] if use_chat else prompt
     result = None
@@ -99,12 +108,13 @@ def chat(
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
+    prefix: PrefixCacheOptions = PrefixCacheOptions(prefix_cache_ram="auto"),
 ) -> None:
     """Interactive chat that streams tokens. /reset clears the history, /exit (or Ctrl-D) quits."""
     from hybridllm.config import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    llm = load_llm(model, placement, kv, speed)
+    llm = load_llm(model, placement, kv, speed, prefix)
     if not llm.tokenizer.has_chat_template:
         raise ConfigError("this model has no chat template; use `hybridllm generate --no-chat` instead")
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []

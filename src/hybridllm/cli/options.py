@@ -24,6 +24,7 @@ import typer
 
 # ---- single flags -----------------------------------------------------------------------------
 MODEL_PANEL, PLACEMENT_PANEL, KV_PANEL, SPEED_PANEL = "Model", "Placement", "KV cache", "Speed"  # --help sections
+PREFIX_PANEL = "Prefix cache"
 WEIGHTS_HELP = "Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4"
 
 Model = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct).", rich_help_panel=MODEL_PANEL)]
@@ -53,6 +54,9 @@ Fuse = Annotated[bool, typer.Option("--fuse/--no-fuse", help="Stack q/k/v and ga
 NativeDecode = Annotated[bool, typer.Option("--native-decode/--no-native-decode", help="Decode host layers with the native C++ kernels (one call per token; built once with the host's C++ compiler).", rich_help_panel=SPEED_PANEL)]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the decode step's dense parts (compile time counts in the cold start).", rich_help_panel=SPEED_PANEL)]
 DecodeBackend = Annotated[str, typer.Option("--decode-backend", help="Decode step backend: auto (chosen from --native-decode and --compile), eager, compiled, native or cuda-graph (static KV, a CUDA graph per batch bucket; all on the device, dense KV).", rich_help_panel=SPEED_PANEL)]
+PrefixCacheRam = Annotated[str, typer.Option("--prefix-cache-ram", help="Host RAM for KV pages reused across requests (a prompt that repeats an earlier prefix prefills only the rest): a size such as 1GiB, auto (min(2 GiB, 10% of RAM)) or 0 (off).", rich_help_panel=PREFIX_PANEL)]
+PrefixCacheDisk = Annotated[Optional[Path], typer.Option("--prefix-cache-disk", help="Directory for the prefix cache's disk tier: pages pushed out of RAM are kept there and survive a restart (off by default).", rich_help_panel=PREFIX_PANEL)]
+PrefixCacheDiskSize = Annotated[Optional[str], typer.Option("--prefix-cache-disk-size", help="Bytes of page files allowed in --prefix-cache-disk, e.g. 20GiB (default 8GiB).", rich_help_panel=PREFIX_PANEL)]
 
 
 # ---- groups -----------------------------------------------------------------------------------
@@ -106,7 +110,17 @@ class SpeedOptions:
     decode_backend: DecodeBackend = "auto"
 
 
-OPTION_GROUPS: tuple[type, ...] = (ModelOptions, PlacementOptions, KVOptions, SpeedOptions)
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheOptions:
+    """KV reuse across requests. Field names equal ``LLM``'s keyword arguments; ``serve`` and
+    ``chat`` default to ``auto``, one-shot commands to off."""
+
+    prefix_cache_ram: PrefixCacheRam = "0"
+    prefix_cache_disk: PrefixCacheDisk = None
+    prefix_cache_disk_size: PrefixCacheDiskSize = None
+
+
+OPTION_GROUPS: tuple[type, ...] = (ModelOptions, PlacementOptions, KVOptions, SpeedOptions, PrefixCacheOptions)
 
 
 def changed(group: Any) -> dict[str, Any]:
@@ -175,8 +189,9 @@ def with_option_groups(func: Callable[..., Any] | None = None, *, own: Iterable[
 
 
 # ---- the LLM they describe --------------------------------------------------------------------
-def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, speed: SpeedOptions) -> dict[str, Any]:
-    """``LLM`` keyword arguments of the four groups, checked before the slow load.
+def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, speed: SpeedOptions,
+               prefix: PrefixCacheOptions | None = None) -> dict[str, Any]:
+    """``LLM`` keyword arguments of the groups, checked before the slow load.
 
     With a placement file, only the KV flags that differ from their defaults are passed, so they
     override the file's KV policy instead of resetting it.
@@ -184,7 +199,7 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
     Raises:
         ConfigError: a bad value (unknown KV strategy, dtype, device, weights mode ...).
     """
-    from hybridllm.config import EngineConfig, KVConfig, resolve_device
+    from hybridllm.config import EngineConfig, KVConfig, PrefixCacheConfig, resolve_device
     from hybridllm.models.quantized import check_weights_mode
 
     kv_options = dataclasses.asdict(kv)
@@ -203,12 +218,16 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
         "fuse": speed.fuse, "native_decode": speed.native_decode, "compile": speed.compile,
         "decode_backend": speed.decode_backend,
     }
+    if prefix is not None:
+        PrefixCacheConfig.parse(prefix.prefix_cache_ram, prefix.prefix_cache_disk, prefix.prefix_cache_disk_size)
+        options.update(dataclasses.asdict(prefix))
     return options
 
 
-def load_llm(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, speed: SpeedOptions) -> Any:
-    """The ``LLM`` the four groups describe (validated first: bad flags fail before the slow load)."""
-    options = llm_kwargs(model, placement, kv, speed)
+def load_llm(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, speed: SpeedOptions,
+             prefix: PrefixCacheOptions | None = None) -> Any:
+    """The ``LLM`` the groups describe (validated first: bad flags fail before the slow load)."""
+    options = llm_kwargs(model, placement, kv, speed, prefix)
     from hybridllm.llm import LLM
 
     return LLM(**options)

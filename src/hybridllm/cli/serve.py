@@ -13,6 +13,7 @@ from hybridllm.cli.options import (
     KVOptions,
     ModelOptions,
     PlacementOptions,
+    PrefixCacheOptions,
     SpeedOptions,
     llm_kwargs,
     with_option_groups,
@@ -39,6 +40,7 @@ def serve(
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
+    prefix: PrefixCacheOptions = PrefixCacheOptions(prefix_cache_ram="auto"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
     from hybridllm.config import parse_bytes
@@ -62,12 +64,12 @@ def serve(
 
         if replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {replicas}")
-        run_ray_server(llm_kwargs(model, placement, kv, speed), address=ray_address, replicas=replicas, host=host,
+        run_ray_server(llm_kwargs(model, placement, kv, speed, prefix), address=ray_address, replicas=replicas, host=host,
                        port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue, host_budget=host_bytes,
                        served_model_name=served_model_name, max_request_bytes=request_bytes,
                        shutdown_grace=shutdown_grace)
         return
-    run_server(llm_kwargs(model, placement, kv, speed), host=host, port=port, api_key=api_key, max_batch=max_batch,
+    run_server(llm_kwargs(model, placement, kv, speed, prefix), host=host, port=port, api_key=api_key, max_batch=max_batch,
                max_queue=max_queue, host_budget=host_bytes, served_model_name=served_model_name, log_level=log_level,
                max_request_bytes=request_bytes, shutdown_grace=shutdown_grace)
 
@@ -94,7 +96,8 @@ def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: st
     llm = LLM(**llm_options)
     if host_budget is None:  # the KV may use the host RAM that is free now
         host_budget = psutil.virtual_memory().available
-    scheduler = Scheduler(llm.runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget)
+    scheduler = Scheduler(llm.runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget,
+                          prefix_cache=llm.prefix_cache)
     app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes)
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "

@@ -60,7 +60,7 @@ class EngineReplica:
         llm = LLM(**llm_options)
         host_budget = server.host_budget if server.host_budget is not None else psutil.virtual_memory().available
         self.scheduler = Scheduler(llm.runtime, max_batch=server.max_batch, max_queue=server.max_queue,
-                                   host_budget=host_budget)
+                                   host_budget=host_budget, prefix_cache=llm.prefix_cache)
         self.app = create_app(llm, self.scheduler, model_name=server.served_model_name, api_key=server.api_key,
                               manage_scheduler=False, max_request_bytes=server.max_request_bytes)
         self.scheduler.start()
