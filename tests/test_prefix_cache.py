@@ -62,18 +62,19 @@ def test_page_hashes_chain_over_whole_pages():
 
 
 # ---- tiers -------------------------------------------------------------------------------------------
-def test_ram_lru_demotes_to_disk_and_promotes_back(tmp_path):
+def test_ram_lru_keeps_pages_on_disk_and_promotes_them_back(tmp_path):
     one = page(1.0).nbytes
     cache = PrefixCache(salt("m"), ram_budget=2 * one, disk_dir=tmp_path, disk_budget=10 * one)
     a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
     for address, value in ((a, 1.0), (b, 2.0), (c, 3.0)):
         cache.insert(address, page(value))
-    assert cache.bytes_per_tier()["host"] == 2 * one
-    assert [p.stem for p in tmp_path.glob("*.kvpage")] == [a.hex()]  # the least recently used went to disk
+    assert cache.bytes_per_tier()["host"] == 2 * one  # a, the least recently used, left RAM
+    assert sorted(p.stem for p in tmp_path.glob("*.kvpage")) == sorted(x.hex() for x in (a, b, c))  # written through
+    (tmp_path / f"{b.hex()}.kvpage").unlink()  # b is now in RAM only
     found = cache.lookup([a])  # read back from disk into RAM, pushing b (now the oldest) out
     assert len(found) == 1 and torch.equal(found[0].keys, page(1.0).keys)
-    assert sorted(p.stem for p in tmp_path.glob("*.kvpage")) == sorted([a.hex(), b.hex()])
-    assert len(cache.lookup([c, b, a])) == 3  # every page is held in one tier or the other
+    assert a in cache and c in cache
+    assert len(cache.lookup([c, a])) == 2 and cache.lookup([b]) == []  # b was dropped from RAM and is gone
 
 
 def test_ram_only_drops_the_least_recently_used():
@@ -232,3 +233,16 @@ def test_copy_cache_fills_every_strategy_in_its_own_format(tiny_models):
         llm = LLM(tiny_models["llama"][0], **options(strategy))
         results = llm.generate_all(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, n=2))
         assert results[0].token_ids == results[1].token_ids, strategy
+
+
+def test_multi_turn_preset_reports_reuse_per_turn(tiny_models, capsys):
+    from hybridllm.bench.multi_turn import measure, print_document
+
+    document = measure({"model": tiny_models["llama"][0]}, context=200, turns=3, new_tokens=4)
+    assert [row["cached_tokens"] for row in document["cold"]] == [0, 0, 0]
+    warm = document["prefix_cache"]
+    assert warm[0]["cached_tokens"] == 0 and all(row["cached_tokens"] >= PAGE_TOKENS for row in warm[1:])
+    assert all(row["cached_tokens"] < row["prompt_tokens"] for row in warm)
+    assert document["restart"]["cached_tokens"] == (warm[0]["prompt_tokens"] - 1) // PAGE_TOKENS * PAGE_TOKENS
+    print_document(document)
+    assert "restart from disk" in capsys.readouterr().out

@@ -65,6 +65,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "new_tokens": 64,
         "repeat": 3,
     },
+    # What the prefix cache saves a chat (hybridllm.bench.multi_turn): a ~4K-token system prompt and
+    # --turns user turns, TTFT per turn with the prefix cache off and on, and a restart from disk.
+    "multi-turn": {
+        "contexts": [4096],
+        "kv_caches": ["dynamic"],
+        "decode_ons": [None],
+        "baselines": [],
+        "new_tokens": 32,
+        "repeat": 1,
+    },
 }
 
 DEFAULTS: dict[str, Any] = {

@@ -70,7 +70,7 @@ def bench(
     n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device, comma-separated (also passed to llama.cpp).", rich_help_panel=PLACEMENT_PANEL)] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Peers measured the same way, comma-separated: llama.cpp,transformers (or none).")] = None,
     repeat: Annotated[Optional[int], typer.Option("--repeat", "-r", help="Measured runs per configuration (median and spread reported).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers), speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit), kv (every KV strategy and variant: bytes per tier, bus traffic) or planner (the planner's predicted vs measured decode, in this process).")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers), speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit), kv (every KV strategy and variant: bytes per tier, bus traffic), planner (the planner's predicted vs measured decode, in this process) or multi-turn (TTFT per chat turn with the prefix cache off and on, and after a restart from disk; --context sets the system prompt, --turns the turns).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Write the plots as one PNG.")] = None,
@@ -79,6 +79,7 @@ def bench(
     kv_opt: Annotated[Optional[list[str]], typer.Option("--kv-opt", help="More KV options for our engine, KEY=VALUE (repeatable), e.g. kv_hot_window=1024; the --kv-* flags override them.")] = None,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="A short request before the measured ones.")] = True,
     seed: Annotated[int, typer.Option("--seed", help="Seed of --random-weights.")] = 0,
+    turns: Annotated[int, typer.Option("--turns", help="--preset multi-turn: user turns of the conversation.")] = 8,
     wait_idle: Annotated[float, typer.Option("--wait-idle", help="--preset planner: seconds to wait, at most, for the other processes to leave the CPUs idle before each generation.")] = 0.0,
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
@@ -129,6 +130,23 @@ def bench(
         raise typer.Exit(run_preset(settings, threads, wait_idle, json_out, markdown_out,
                                     shlex.join(["hybridllm", *sys.argv[1:]])))
     EngineConfig(device=device, dtype=model.dtype, threads=threads, prefill_chunk=model.prefill_chunk)
+    if preset == "multi-turn":  # in this process: the prefix cache is this process's
+        from hybridllm.bench.multi_turn import run_preset as run_multi_turn
+
+        if turns < 1:
+            raise ConfigError("--turns must be >= 1")
+        if random_weights is not None:
+            from hybridllm.loading.random_checkpoint import RandomCheckpoint
+
+            source = {"model": RandomCheckpoint(random_weights, seed=seed)}
+        else:
+            source = {"model": model.path}
+        multi_turn_options = {**source, "device": device, "dtype": model.dtype, "threads": threads,
+                              "prefill_chunk": model.prefill_chunk, **changed(speed), **changed(kv)}
+        if placement.weights is not None:
+            multi_turn_options["weights"] = placement.weights
+        raise typer.Exit(run_multi_turn(multi_turn_options, settings, turns, json_out,
+                                        shlex.join(["hybridllm", *sys.argv[1:]])))
     kv_options = {**_parse_kv_options(kv_opt), **changed(kv)}  # kv_cache is a sweep axis, never in changed(kv)
     llm_options = changed(speed)
     if ctx_size:

@@ -5,9 +5,10 @@ When a request starts, the longest run of its prompt's pages found here is copie
 cache (:meth:`PrefixCache.restore`), and only the rest of the prompt is prefilled; when its prompt
 is done, and when it finishes, its pages not yet here are stored (:meth:`PrefixCache.store`).
 
-Tiers: host RAM under ``ram_budget`` bytes, least recently used first out; a page pushed out of
-RAM is written to the disk tier (when there is one) before it is dropped, and a page found only on
-disk is read back into RAM. Pages are copied into a sequence's own cache (copy-in), so running
+Tiers: host RAM under ``ram_budget`` bytes, least recently used first out, and the disk tier
+(when there is one), written through as pages arrive so that they survive a restart or a crash; a
+page pushed out of RAM stays on disk (until the disk budget pushes it out too), and a page found
+only on disk is read back into RAM. Pages are copied into a sequence's own cache (copy-in), so running
 sequences never share storage with the prefix cache: a page being copied is referenced by the
 copy, and evicting it from the index never frees it under the copy.
 """
@@ -148,16 +149,14 @@ class PrefixCache:
 
     # ---- tiers ---------------------------------------------------------------------------
     def _keep_in_ram(self, address: bytes, page: KVPage) -> None:
-        """Hold a page in RAM, pushing least recently used pages to disk (or out) to fit; with no
-        room in RAM at all it goes straight to disk."""
+        """Hold a page in RAM and write it through to the disk tier (so it survives a restart);
+        least recently used pages leave RAM to fit (they stay on disk, where there is one)."""
+        if self.disk is not None and self.disk.enabled:
+            self.disk.put(address, page)
         if page.nbytes > self.ram_budget:
-            if self.disk is not None:
-                self.disk.put(address, page)
             return
         self._ram[address] = page
         self._ram_bytes += page.nbytes
         while self._ram_bytes > self.ram_budget:
-            old_address, old = self._ram.popitem(last=False)
+            _, old = self._ram.popitem(last=False)
             self._ram_bytes -= old.nbytes
-            if self.disk is not None:
-                self.disk.put(old_address, old)
