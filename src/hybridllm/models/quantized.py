@@ -136,7 +136,6 @@ def _cpu_nibble_order(n: int, k: int) -> torch.Tensor | None:
     source = digit(0)
     for d in range(1, max(1, -(-int(n * k).bit_length() // 4))):
         source |= digit(d)
-    del positions
     stored = source > 0  # padding nibbles stay 0
     found = source[stored] - 1
     if found.numel() != n * k:
