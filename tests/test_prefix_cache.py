@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server import InProcessServer
+from test_server import InProcessServer, serve_process
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.config import PrefixCacheConfig
@@ -245,3 +245,19 @@ def test_multi_turn_preset_reports_reuse_per_turn(tiny_models, capsys):
     assert document["restart"]["cached_tokens"] == (warm[0]["prompt_tokens"] - 1) // PAGE_TOKENS * PAGE_TOKENS
     print_document(document)
     assert "restart from disk" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_restarted_server_answers_from_its_disk_tier(tiny_models, tmp_path):
+    """``serve --prefix-cache-disk DIR``: after a restart, a repeated prompt is answered from the
+    pages the first server wrote, with the same text."""
+    args = ("--model", str(tiny_models["llama"][0]), "--prefix-cache-disk", str(tmp_path))
+    body = dict(prompt=PROMPT, max_tokens=6, temperature=0)
+    answers = []
+    for _ in range(2):
+        with serve_process(*args) as (base, _proc):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+            answers.append(client.completions.create(model=client.models.list().data[0].id, **body))
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == len(PROMPT) // PAGE_TOKENS * PAGE_TOKENS
+    assert answers[1].choices[0].text == answers[0].choices[0].text
