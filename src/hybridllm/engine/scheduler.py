@@ -486,12 +486,12 @@ class Scheduler:
             if want_prompt_logprobs:
                 self._record_prompt_logprobs(seq, start, end, logits[0])
             if end == len(seq.prompt_ids):
-                self._keep_pages(seq, seq.prompt_ids)
                 if self.runtime.placement.decode_on == "host":
                     self._migrate(seq)
                 self.observer.on_prompt_done(seq)
                 for sibling in [seq, *self._fork(seq)]:
                     self._sample(sibling, logits[0, -1])
+                self._keep_pages(seq, seq.prompt_ids)  # after the first token: not in its TTFT
             if used >= budget:
                 break
         return used
