@@ -218,3 +218,24 @@ def test_serve_ray_with_a_missing_model_fails_before_starting_a_cluster(tmp_path
     assert result.exit_code == 2
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: model not found"), result.output
+
+
+def test_page_key_routes_by_the_first_prefix_cache_page(tiny_models):
+    """With the model's tokenizer, the key is the first page of token ids the replica will see:
+    the same for prompts that share it (text, ids or chat), different otherwise."""
+    from hybridllm.kvcache.prefix_hash import PAGE_TOKENS
+    from hybridllm.loading.registry import open_checkpoint
+    from hybridllm.server.routing import PageKey
+
+    tokenizer = open_checkpoint(tiny_models["llama"][0]).tokenizer()
+    key = PageKey(tokenizer)
+    ids = [5 + i for i in range(PAGE_TOKENS)]
+    assert key({"prompt": ids + [1, 2]}) == key({"prompt": ids + [9]})
+    assert key({"prompt": [7] + ids}) != key({"prompt": [8] + ids})
+    text = "word " * 80
+    assert key({"prompt": text + "one"}) == key({"prompt": tokenizer.encode(text + "two")})
+    system = {"role": "system", "content": "rules " * 60}
+    assert key({"messages": [system, {"role": "user", "content": "a"}]}) == \
+        key({"messages": [system, {"role": "user", "content": "b"}]})
+    assert key({"model": "m"}) is None
+    assert key({"messages": [{"role": "nobody", "content": 3}]}) == prefix_key({"messages": [{"role": "nobody", "content": 3}]})

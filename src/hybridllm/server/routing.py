@@ -1,11 +1,13 @@
 """Which engine replica a request goes to: the one most likely to hold its prompt's KV prefix.
 
 Requests that start alike share their first KV pages, so sending them to the same replica lets
-its cache (and later its prefix cache) serve them. The routing key is the prompt's first page:
-the ingress has no tokenizer, so for text it is the first :data:`PREFIX_CHARS` characters of the
-prompt (a chat's messages as ``role`` + ``content`` in order, before the chat template), and for
-a completion prompt given as token ids the first :data:`PREFIX_TOKENS` ids. :func:`prefix_key`
-is the one function to switch to the prefix cache's page hashes.
+its prefix cache serve them. The routing key is the address of the prompt's first prefix-cache
+page (:class:`PageKey`: the model's tokenizer and chat template turn the request into the token
+ids the replica will see, hashed as :func:`~hybridllm.kvcache.prefix_hash.page_hashes` does).
+Without a tokenizer, or when the template refuses the request (the replica will answer the
+error), :func:`prefix_key` stands in: the first :data:`PREFIX_CHARS` characters of the prompt (a
+chat's messages as ``role`` + ``content`` in order), or a token-id prompt's first
+:data:`PREFIX_TOKENS` ids.
 
 Replicas sit on a consistent-hash ring (:class:`HashRing`): a key's replica is the first live
 one clockwise from the key, so a replica that dies moves only its own keys. :func:`choose_replica`
@@ -20,6 +22,9 @@ import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from hybridllm.errors import HybridLLMError
+from hybridllm.kvcache.prefix_hash import PAGE_TOKENS, page_hashes, salt
 
 PREFIX_CHARS = 128  # about 32 tokens of English text (some 4 characters a token)
 PREFIX_TOKENS = 32
@@ -63,6 +68,48 @@ def prefix_key(body: Any) -> int | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:PREFIX_TOKENS]):
         return stable_hash(b"ids:" + ",".join(map(str, prompt[:PREFIX_TOKENS])).encode())
     return None
+
+
+class PageKey:
+    """The routing key from the prefix cache's page addresses: a hash of the request's first page
+    of token ids, as the replica will tokenize it (falls back to :func:`prefix_key`).
+
+    Args:
+        tokenizer: the served model's tokenizer (``encode``, ``apply_chat_template``).
+    """
+
+    ROOT = salt("hybridllm routing")  # routing only needs the same key for the same first page
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def token_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the replica sees them, or None (no prompt)."""
+        messages = body.get("messages")
+        if isinstance(messages, list) and messages:
+            text = self.tokenizer.apply_chat_template(messages, extra_context={"tools": body.get("tools")}
+                                                      if body.get("tools") else None)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, str) and prompt:
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        return None
+
+    def __call__(self, body: Any) -> int | None:
+        if not isinstance(body, Mapping):
+            return None
+        try:
+            ids = self.token_ids(body)
+        except (HybridLLMError, TypeError, ValueError):
+            return prefix_key(body)
+        if ids is None:
+            return None
+        first = page_hashes(ids[:PAGE_TOKENS], self.ROOT)
+        return stable_hash(first[0] if first else b"short:" + ",".join(map(str, ids)).encode())
 
 
 class HashRing:

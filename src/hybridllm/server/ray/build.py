@@ -57,4 +57,6 @@ def build_app(llm_options: dict[str, Any] | None = None, *, replicas: int = 2,
         max_ongoing_requests=replicas * (server.max_batch + server.max_queue) + CONTROL_CALLS,
         graceful_shutdown_timeout_s=shutdown_grace_s,
     )
-    return ingress.bind(engines, max_imbalance=max_imbalance)
+    model = (llm_options or {}).get("model")
+    return ingress.bind(engines, max_imbalance=max_imbalance, route_by_pages=True,
+                        model=str(model) if model is not None else None)

@@ -34,11 +34,12 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from hybridllm.loading.registry import open_checkpoint
 from hybridllm.server.asgi_bridge import ForwardedRequest, ResponseStart
 from hybridllm.server.metrics import CONTENT_TYPE, PREFIX
 from hybridllm.server.protocol import error_body
 from hybridllm.server.replica_metrics import REPLICA_LABEL, merge_replica_metrics
-from hybridllm.server.routing import DEFAULT_MAX_IMBALANCE, HashRing, Route, choose_replica, prefix_key
+from hybridllm.server.routing import DEFAULT_MAX_IMBALANCE, HashRing, PageKey, Route, choose_replica, prefix_key
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +140,14 @@ class Ingress:
         engines: a handle per engine replica's deployment; replica ids are their positions.
         max_imbalance: a request leaves its prefix's replica for the least loaded one when that
             replica has this many more requests in flight.
+        route_by_pages: route by the first prefix-cache page of token ids, tokenized with
+            ``model``'s tokenizer (False: by the prompt's first characters, :func:`prefix_key`).
+        model: the served model (a path, or None for the default model).
     """
 
-    def __init__(self, engines: list[DeploymentHandle], max_imbalance: int = DEFAULT_MAX_IMBALANCE) -> None:
+    def __init__(self, engines: list[DeploymentHandle], max_imbalance: int = DEFAULT_MAX_IMBALANCE,
+                 route_by_pages: bool = False, model: str | None = None) -> None:
+        self.route_key = PageKey(open_checkpoint(model).tokenizer()) if route_by_pages else prefix_key
         self.replicas = [str(i) for i in range(len(engines))]
         self.handles = dict(zip(self.replicas, engines, strict=True))
         self.ring = HashRing(self.replicas)
@@ -163,7 +169,7 @@ class Ingress:
             await self.probe_all()
             return JSONResponse(self.replica_table())
         body = await request.body()
-        key = prefix_key(parse_json(body)) if request.method == "POST" and path in ROUTED_PATHS else None
+        key = self.route_key(parse_json(body)) if request.method == "POST" and path in ROUTED_PATHS else None
         route = choose_replica(key, self.ring, [r for r in self.replicas if r in self.live], self.in_flight,
                                self.max_imbalance)
         if route is None:
