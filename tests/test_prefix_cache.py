@@ -261,3 +261,18 @@ def test_a_restarted_server_answers_from_its_disk_tier(tiny_models, tmp_path):
     assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
     assert answers[1].usage.prompt_tokens_details.cached_tokens == len(PROMPT) // PAGE_TOKENS * PAGE_TOKENS
     assert answers[1].choices[0].text == answers[0].choices[0].text
+
+
+def test_device_tier_demotes_to_ram_then_drops(tmp_path):
+    one = page(1.0).nbytes
+    cache = PrefixCache(salt("m"), ram_budget=one, device_budget=one, device="cpu")
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    cache.insert(a, page(1.0))
+    assert cache.bytes_per_tier() == {"device": one, "host": 0, "disk": 0}
+    cache.insert(b, page(2.0))  # a moves down to RAM
+    assert cache.bytes_per_tier() == {"device": one, "host": one, "disk": 0}
+    cache.insert(c, page(3.0))  # b moves down, a is dropped
+    assert a not in cache and b in cache and c in cache
+    assert torch.equal(cache.lookup([b])[0].keys, page(2.0).keys)  # b moves back up, c down
+    assert cache.bytes_per_tier() == {"device": one, "host": one, "disk": 0}
+    assert PrefixCacheConfig.parse("0", vram="1MiB").enabled

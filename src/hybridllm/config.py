@@ -438,19 +438,21 @@ class PrefixCacheConfig:
         ram: bytes of reusable pages kept in host RAM (0: no prefix cache, unless a disk tier).
         disk_dir: directory of the disk tier (None: none). Its pages survive a restart.
         disk_bytes: bytes of page files on disk (None: 8 GiB).
+        vram: bytes of reusable pages kept on the compute device (the hot tier; 0: none).
     """
 
     ram: int = 0
     disk_dir: str | None = None
     disk_bytes: int | None = None
+    vram: int = 0
 
     @property
     def enabled(self) -> bool:
-        return self.ram > 0 or self.disk_dir is not None
+        return self.ram > 0 or self.vram > 0 or self.disk_dir is not None
 
     @classmethod
     def parse(cls, ram: str | int | None, disk_dir: str | None = None, disk_size: str | int | None = None,
-              total_ram: int | None = None) -> PrefixCacheConfig:
+              total_ram: int | None = None, vram: str | int | None = None) -> PrefixCacheConfig:
         """From the flags: ``ram`` a size, 0, or "auto" (min(2 GiB, 10% of ``total_ram``)).
 
         Raises:
@@ -463,7 +465,8 @@ class PrefixCacheConfig:
         disk_bytes = parse_bytes(disk_size)
         if disk_bytes is not None and disk_dir is None:
             raise ConfigError("--prefix-cache-disk-size needs --prefix-cache-disk DIR")
-        return cls(ram=ram_bytes, disk_dir=str(disk_dir) if disk_dir is not None else None, disk_bytes=disk_bytes)
+        return cls(ram=ram_bytes, disk_dir=str(disk_dir) if disk_dir is not None else None, disk_bytes=disk_bytes,
+                   vram=parse_bytes(vram) or 0)
 
 
 @dataclass

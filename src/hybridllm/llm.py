@@ -65,6 +65,7 @@ class LLM:
             "auto": min(2 GiB, 10% of RAM); None or 0: no prefix cache unless a disk tier).
         prefix_cache_disk: a directory for the prefix cache's disk tier (survives restarts).
         prefix_cache_disk_size: bytes of page files allowed on disk (default 8 GiB).
+        prefix_cache_vram: device memory for the hottest reusable pages (default 0: none).
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -90,6 +91,7 @@ class LLM:
         prefix_cache_ram: str | int | None = None,
         prefix_cache_disk: str | os.PathLike | None = None,
         prefix_cache_disk_size: str | int | None = None,
+        prefix_cache_vram: str | int | None = None,
         **kv_options: Any,
     ) -> None:
         engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads,
@@ -100,7 +102,7 @@ class LLM:
         chosen = resolve_placement(checkpoint.config.n_layers, placement, n_gpu_layers, decode_on, weights, kv_options)
         self.runtime = build_runtime(checkpoint, engine_config, chosen, options)
         prefix_config = PrefixCacheConfig.parse(prefix_cache_ram, prefix_cache_disk, prefix_cache_disk_size,
-                                                total_ram=psutil.virtual_memory().total)
+                                                total_ram=psutil.virtual_memory().total, vram=prefix_cache_vram)
         self.prefix_cache = build_prefix_cache(self.runtime, prefix_config)
         self.engine = LLMEngine(self.runtime, prefix_cache=self.prefix_cache)
 

@@ -56,6 +56,7 @@ Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.com
 DecodeBackend = Annotated[str, typer.Option("--decode-backend", help="Decode step backend: auto (chosen from --native-decode and --compile), eager, compiled, native or cuda-graph (static KV, a CUDA graph per batch bucket; all on the device, dense KV).", rich_help_panel=SPEED_PANEL)]
 PrefixCacheRam = Annotated[str, typer.Option("--prefix-cache-ram", help="Host RAM for KV pages reused across requests (a prompt that repeats an earlier prefix prefills only the rest): a size such as 1GiB, auto (min(2 GiB, 10% of RAM)) or 0 (off).", rich_help_panel=PREFIX_PANEL)]
 PrefixCacheDisk = Annotated[Optional[Path], typer.Option("--prefix-cache-disk", help="Directory for the prefix cache's disk tier: pages pushed out of RAM are kept there and survive a restart (off by default).", rich_help_panel=PREFIX_PANEL)]
+PrefixCacheVram = Annotated[Optional[str], typer.Option("--prefix-cache-vram", help="Device memory for the hottest reusable KV pages (they move to RAM when pushed out), e.g. 1GiB (default: none).", rich_help_panel=PREFIX_PANEL)]
 PrefixCacheDiskSize = Annotated[Optional[str], typer.Option("--prefix-cache-disk-size", help="Bytes of page files allowed in --prefix-cache-disk, e.g. 20GiB (default 8GiB).", rich_help_panel=PREFIX_PANEL)]
 
 
@@ -118,6 +119,7 @@ class PrefixCacheOptions:
     prefix_cache_ram: PrefixCacheRam = "0"
     prefix_cache_disk: PrefixCacheDisk = None
     prefix_cache_disk_size: PrefixCacheDiskSize = None
+    prefix_cache_vram: PrefixCacheVram = None
 
 
 OPTION_GROUPS: tuple[type, ...] = (ModelOptions, PlacementOptions, KVOptions, SpeedOptions, PrefixCacheOptions)
@@ -219,7 +221,8 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
         "decode_backend": speed.decode_backend,
     }
     if prefix is not None:
-        PrefixCacheConfig.parse(prefix.prefix_cache_ram, prefix.prefix_cache_disk, prefix.prefix_cache_disk_size)
+        PrefixCacheConfig.parse(prefix.prefix_cache_ram, prefix.prefix_cache_disk, prefix.prefix_cache_disk_size,
+                                vram=prefix.prefix_cache_vram)
         options.update(dataclasses.asdict(prefix))
     return options
 

@@ -38,4 +38,5 @@ def build_prefix_cache(runtime: Any, config: PrefixCacheConfig) -> PrefixCache |
         return None
     root = salt(model_identity(runtime.checkpoint), kv_format(runtime))
     return PrefixCache(root, ram_budget=config.ram, disk_dir=config.disk_dir,
-                       disk_budget=config.disk_bytes if config.disk_bytes is not None else DEFAULT_DISK_BUDGET)
+                       disk_budget=config.disk_bytes if config.disk_bytes is not None else DEFAULT_DISK_BUDGET,
+                       device_budget=config.vram, device=runtime.engine_config.torch_device)

@@ -27,9 +27,15 @@ class KVPage:
     def tokens(self) -> int:
         return self.keys.shape[3]
 
+    def to(self, device: torch.device) -> KVPage:
+        """This page on ``device`` (itself when it is there)."""
+        if self.keys.device == device:
+            return self
+        return KVPage(self.keys.to(device), self.values.to(device))
+
     def payload(self) -> bytes:
         """Keys then values as raw bytes (what the disk tier stores)."""
-        flat = torch.cat([self.keys.reshape(-1), self.values.reshape(-1)])  # (2 * n_layers*B*Hkv*P*D,)
+        flat = torch.cat([self.keys.reshape(-1), self.values.reshape(-1)]).cpu()  # (2 * n_layers*B*Hkv*P*D,)
         return flat.view(torch.uint8).numpy().tobytes()
 
     @classmethod
