@@ -128,14 +128,14 @@ def test_non_utf8_prompt_on_stdin_is_a_one_line_error():
 
 
 # ---- shared options: declared once, taken by every command that loads a model ------------------
-def _shared_option_names() -> set[str]:
+def _shared_option_names(groups: tuple[type, ...] | None = None) -> set[str]:
     import dataclasses
     import typing
 
-    from hybridllm.cli.options import OPTION_GROUPS
+    from hybridllm.cli.options import INFERENCE_GROUPS
 
     names = set()
-    for group in OPTION_GROUPS:
+    for group in groups or INFERENCE_GROUPS:
         hints = typing.get_type_hints(group, include_extras=True)
         for field in dataclasses.fields(group):
             info = hints[field.name].__metadata__[0]  # the typer.Option of the Annotated alias
@@ -155,6 +155,11 @@ def test_every_inference_command_takes_every_shared_option(command):
     click_command = typer.main.get_command(app).commands[command]
     taken = {opt for param in click_command.params for opt in (*param.opts, *param.secondary_opts)}
     assert names - taken == set()
+    if command != "bench":  # a bench preset sets the prefix cache itself (multi-turn)
+        from hybridllm.cli.options import PrefixCacheOptions
+
+        prefix_flags = _shared_option_names((PrefixCacheOptions,))
+        assert "--prefix-cache-ram" in prefix_flags and prefix_flags <= taken
 
 
 def test_option_group_defaults_equal_the_engine_defaults():

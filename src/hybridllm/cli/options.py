@@ -122,7 +122,8 @@ class PrefixCacheOptions:
     prefix_cache_vram: PrefixCacheVram = None
 
 
-OPTION_GROUPS: tuple[type, ...] = (ModelOptions, PlacementOptions, KVOptions, SpeedOptions, PrefixCacheOptions)
+INFERENCE_GROUPS: tuple[type, ...] = (ModelOptions, PlacementOptions, KVOptions, SpeedOptions)  # every inference command
+OPTION_GROUPS: tuple[type, ...] = (*INFERENCE_GROUPS, PrefixCacheOptions)  # the prefix cache: generate, chat, serve
 
 
 def changed(group: Any) -> dict[str, Any]:
