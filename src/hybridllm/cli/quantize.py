@@ -12,6 +12,9 @@ def quantize(
     src: Annotated[Path, typer.Argument(help="A Hugging Face folder or a float (F32/F16/BF16) GGUF file.")],
     dst: Annotated[Path, typer.Argument(help="The GGUF file to write.")],
     qtype: Annotated[str, typer.Option("--type", help="Weight type: q4_0, q4_1 or q8_0.")] = "q4_1",
+    pre: Annotated[str | None, typer.Option(
+        "--pre", help="tokenizer.ggml.pre to write (llama-bpe, qwen2, smollm, gpt-2, ...); default: "
+                      "detected from tokenizer.json.")] = None,
 ) -> None:
     """Write a quantized GGUF file (llama.cpp's format) from a float checkpoint."""
     from collections import Counter
@@ -20,7 +23,7 @@ def quantize(
     from hybridllm.loading.quantize import quantize_checkpoint
     from hybridllm.report import format_bytes
 
-    out = quantize_checkpoint(src, dst, qtype)
+    out = quantize_checkpoint(src, dst, qtype, pre)
     written = GGUFFile(out)
     try:
         types = Counter(info.type_name for info in written.tensors.values())

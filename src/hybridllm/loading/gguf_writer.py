@@ -6,7 +6,6 @@ Used by ``hybridllm quantize`` and by the tests, which save tiny Hugging Face mo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -93,7 +92,8 @@ def write_gguf(
         config: the model's numbers.
         tensors: Hugging Face-named float tensors as the model holds them (Gemma norms: 1 + w,
             what ``checkpoint.dequantize`` returns and llama.cpp's converter writes).
-        tokenizer_metadata: ``tokenizer.*`` keys (see :func:`tokenizer_metadata_from_hf`).
+        tokenizer_metadata: ``tokenizer.*`` keys (see
+            :func:`hybridllm.loading.gguf_vocab.tokenizer_metadata_from_hf`).
         weight_type: GGML type of the weight matrices (one of ``QUANT_TYPES``).
         type_for: optional per-tensor override ``(hf_name, tensor) -> type``.
     """
@@ -192,41 +192,3 @@ def _add_metadata(writer, key: str, value: object) -> None:
         writer.add_array(key, list(value))
     else:
         raise ConfigError(f"cannot write metadata {key} of type {type(value).__name__}")
-
-
-def tokenizer_metadata_from_hf(folder: str | os.PathLike) -> dict[str, object]:
-    """GGUF ``tokenizer.*`` metadata for a byte-level BPE ``tokenizer.json`` (the ``gpt2`` model)."""
-    folder = Path(folder)
-    data = json.loads((folder / "tokenizer.json").read_text())
-    model = data["model"]
-    if model.get("type") != "BPE":
-        raise ConfigError("only byte-level BPE tokenizers can be written to GGUF here")
-    vocab: dict[str, int] = dict(model["vocab"])
-    special_ids = set()
-    for added in data.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-        if added.get("special"):
-            special_ids.add(added["id"])
-    tokens = [""] * (max(vocab.values()) + 1)
-    for token, idx in vocab.items():
-        tokens[idx] = token
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta: dict[str, object] = {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [3 if i in special_ids else 1 for i in range(len(tokens))],
-        "tokenizer.ggml.merges": merges,
-    }
-    config_path = folder / "tokenizer_config.json"
-    tok_config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    for role in ("bos", "eos"):
-        token = tok_config.get(f"{role}_token")
-        if isinstance(token, dict):
-            token = token.get("content")
-        if token in vocab:
-            meta[f"tokenizer.ggml.{role}_token_id"] = vocab[token]
-    if tok_config.get("chat_template"):
-        meta["tokenizer.chat_template"] = tok_config["chat_template"]
-    meta["tokenizer.ggml.add_bos_token"] = bool(tok_config.get("add_bos_token", False))
-    return meta

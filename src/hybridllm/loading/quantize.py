@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from hybridllm.errors import ConfigError
-from hybridllm.loading.gguf_writer import default_tensor_type, tokenizer_metadata_from_hf, write_gguf
+from hybridllm.loading.gguf_vocab import check_pre_tokenizer, tokenizer_metadata_from_hf
+from hybridllm.loading.gguf_writer import default_tensor_type, write_gguf
 from hybridllm.loading.registry import open_checkpoint
 
 OUTPUT_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
@@ -42,22 +43,29 @@ class _LazyTensors(Mapping):
         return len(self.names)
 
 
-def _tokenizer_metadata(checkpoint) -> dict[str, object]:
-    if getattr(checkpoint, "file_format", None) == "gguf":
-        return {k: v for k, v in checkpoint.metadata.items() if k.startswith("tokenizer.")}
-    return tokenizer_metadata_from_hf(checkpoint.path)
+def _tokenizer_metadata(checkpoint, pre: str | None) -> dict[str, object]:
+    if getattr(checkpoint, "file_format", None) != "gguf":
+        return tokenizer_metadata_from_hf(checkpoint.path, checkpoint.config.vocab_size, pre)
+    meta = {k: v for k, v in checkpoint.metadata.items() if k.startswith("tokenizer.")}
+    if pre is not None:
+        meta["tokenizer.ggml.pre"] = check_pre_tokenizer(pre)
+    return meta
 
 
-def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, qtype: str) -> Path:
+def quantize_checkpoint(
+    src: str | os.PathLike, dst: str | os.PathLike, qtype: str, pre: str | None = None
+) -> Path:
     """Write ``src`` (Hugging Face folder or float GGUF) to ``dst`` as a ``qtype`` GGUF file.
 
     Args:
         src: the float checkpoint.
         dst: the output ``.gguf`` path (its folder must exist).
         qtype: "q4_0", "q4_1" or "q8_0" (case-insensitive).
+        pre: ``tokenizer.ggml.pre`` to write instead of the one detected from ``tokenizer.json``
+            (or kept from a GGUF source).
 
     Raises:
-        ConfigError: unknown type, quantized source, or ``dst`` equal to ``src``.
+        ConfigError: unknown type or pre-tokenizer, quantized source, or ``dst`` equal to ``src``.
         ModelLoadError: ``src`` cannot be read.
     """
     key = qtype.lower()
@@ -85,7 +93,7 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, qtype: s
 
     tmp = dst_path.with_name(dst_path.name + ".partial")
     try:
-        write_gguf(tmp, checkpoint.config, _LazyTensors(checkpoint), _tokenizer_metadata(checkpoint), weight_type,
+        write_gguf(tmp, checkpoint.config, _LazyTensors(checkpoint), _tokenizer_metadata(checkpoint, pre), weight_type,
                    type_for)
         tmp.replace(dst_path)
     finally:

@@ -43,7 +43,13 @@ from tokenizers import Tokenizer as _Backend
 from hybridllm.errors import ConfigError, HybridLLMError, ModelLoadError, UnsupportedModelError
 from hybridllm.loading.chat_template import ChatTemplate
 
-__all__ = ["SUPPORTED_GGUF_TOKENIZER_MODELS", "StreamDecoder", "Tokenizer"]
+__all__ = [
+    "SUPPORTED_GGUF_PRE_TOKENIZERS",
+    "SUPPORTED_GGUF_TOKENIZER_MODELS",
+    "StreamDecoder",
+    "Tokenizer",
+    "gguf_pre_tokenizer_rule",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +154,15 @@ def _pre_table() -> Mapping[str, _PreTokenizerSpec]:
 
 
 _PRE_TOKENIZERS = _pre_table()
+
+SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(_PRE_TOKENIZERS)
+"""Values of ``tokenizer.ggml.pre`` whose pre-tokenizer we rebuild (``gpt2`` tokenizer model)."""
+
+
+def gguf_pre_tokenizer_rule(pre: str) -> tuple[tuple[str, ...], bool] | None:
+    """The split expressions and ``ignore_merges`` flag llama.cpp uses for ``pre``; None if unknown."""
+    spec = _PRE_TOKENIZERS.get(pre)
+    return None if spec is None else (spec.splits, spec.ignore_merges)
 
 
 # ---------------------------------------------------------------------------------------------
