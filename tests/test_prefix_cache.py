@@ -276,3 +276,16 @@ def test_device_tier_demotes_to_ram_then_drops(tmp_path):
     assert torch.equal(cache.lookup([b])[0].keys, page(2.0).keys)  # b moves back up, c down
     assert cache.bytes_per_tier() == {"device": one, "host": one, "disk": 0}
     assert PrefixCacheConfig.parse("0", vram="1MiB").enabled
+
+
+@pytest.mark.parametrize("placed", [dict(n_gpu_layers=1), dict(decode_on="host"), dict(decode_backend="cuda-graph")])
+def test_reuse_across_placements_and_backends(tiny_models, placed):
+    """A layer split (-ngl: one cache per tier), phase migration, and the static rows of the
+    cuda-graph backend (its eager CPU form) all take reused pages and keep the cold answer."""
+    folder = tiny_models["llama"][0]
+    cold = LLM(folder, **placed).generate(PROMPT, GREEDY)
+    llm = LLM(folder, prefix_cache_ram="64MiB", **placed)
+    llm.generate(PROMPT, GREEDY)
+    again = llm.generate(PROMPT, GREEDY)
+    assert again.metrics["cached_tokens"] == len(PROMPT) // PAGE_TOKENS * PAGE_TOKENS
+    assert again.token_ids == cold.token_ids
