@@ -111,3 +111,61 @@ def test_header_matches_gguf_py_on_default_model(default_model_path):
     cfg = ours.config
     assert (cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
     assert cfg.tie_word_embeddings
+
+
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _quantize_iq4_nl(rows: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of float rows (a test-side quantizer: the gguf package only dequantizes this
+    type): per 32 values, a float16 scale and 4-bit indices into llama.cpp's non-linear grid."""
+    blocks = rows.reshape(-1, 32).astype(np.float32)
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / 127.0
+    scale[scale == 0] = 1.0
+    scale = scale.astype(np.float16)
+    index = np.abs(blocks[:, :, None] / scale.astype(np.float32)[:, :, None] - IQ4_NL_VALUES).argmin(axis=2)
+    packed = (index[:, :16] | (index[:, 16:] << 4)).astype(np.uint8)  # low nibbles: 0-15, high: 16-31
+    out = np.concatenate([scale.view(np.uint8), packed], axis=1)  # (blocks, 2 + 16)
+    return out.reshape(rows.shape[0], -1)
+
+
+def test_iq4_nl_file_loads_and_matches_transformers_on_its_values(tiny_models, tmp_path, monkeypatch):
+    """A GGUF whose matrices are IQ4_NL (a type we read through the gguf package's table and
+    dequantizer): our logits equal transformers' with the same dequantized weights."""
+    import gguf
+    from tiny_models import build_hf_model
+
+    from hybridllm import LLM
+    from hybridllm.loading.gguf import GGML_TYPES
+    from hybridllm.loading.gguf_vocab import tokenizer_metadata_from_hf
+    from hybridllm.loading.gguf_writer import write_gguf
+    from hybridllm.loading.safetensors import HFCheckpoint
+
+    assert {"IQ4_NL", "IQ4_XS", "Q5_K", "Q6_K"} <= set(GGML_TYPES)
+    folder = tmp_path / "hf"
+    hf_model = build_hf_model(folder, "llama")
+    original = gguf.quants.quantize
+    monkeypatch.setattr(gguf.quants, "quantize", lambda array, qtype: _quantize_iq4_nl(array)
+                        if qtype == gguf.GGMLQuantizationType.IQ4_NL else original(array, qtype))
+    checkpoint = HFCheckpoint(folder)
+    tensors = {name: checkpoint.dequantize(name, checkpoint.read(name)) for name in checkpoint.parameter_names()}
+    path = write_gguf(tmp_path / "iq4.gguf", checkpoint.config, tensors, tokenizer_metadata_from_hf(folder), "F32",
+                      type_for=lambda name, t: "IQ4_NL" if name.endswith("proj.weight") else "F32")
+    from hybridllm.loading.gguf import GGUFFile
+
+    f = GGUFFile(path)
+    assert f.tensors["blk.0.ffn_down.weight"].type_name == "IQ4_NL"
+    state = hf_model.state_dict()
+    for gguf_name, hf_name in f.hf_names().items():
+        if f.tensors[gguf_name].type_name == "IQ4_NL":
+            state[hf_name] = f.dequantize(gguf_name).to(state[hf_name].dtype)
+    hf_model.load_state_dict(state)
+    ids = list(range(5, 37))
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([ids])).logits[0]
+        llm = LLM(path)
+        ours = llm.model(torch.tensor([ids]), llm.new_cache(), start_pos=0, all_logits=True)[0]
+        float_llm = LLM(folder)
+        unquantized = float_llm.model(torch.tensor([ids]), float_llm.new_cache(), start_pos=0, all_logits=True)[0]
+    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(ours, unquantized, atol=1e-3)  # the 4-bit weights do change the logits

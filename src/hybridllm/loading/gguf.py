@@ -30,22 +30,29 @@ from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, unperm
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-# GGML tensor types we read: name -> (type id, elements per block, bytes per block)
-GGML_TYPES: dict[str, tuple[int, int, int]] = {
-    "F32": (0, 1, 4),
-    "F16": (1, 1, 2),
-    "Q4_0": (2, 32, 18),
-    "Q4_1": (3, 32, 20),
-    "Q5_0": (6, 32, 22),
-    "Q5_1": (7, 32, 24),
-    "Q8_0": (8, 32, 34),
-    "Q2_K": (10, 256, 84),
-    "Q3_K": (11, 256, 110),
-    "Q4_K": (12, 256, 144),
-    "Q5_K": (13, 256, 176),
-    "Q6_K": (14, 256, 210),
-    "BF16": (30, 1, 2),
-}
+
+
+def _readable_types() -> dict[str, tuple[int, int, int]]:
+    """GGML tensor types we read: name -> (type id, elements per block, bytes per block).
+
+    The ``gguf`` package's table (llama.cpp's type ids and block sizes), restricted to the types
+    it can dequantize (a zero block is tried once per type): F32/F16/BF16, Q4_0 ... Q8_0, the
+    K-quants, the IQ types (IQ4_NL, IQ4_XS, ...) and the ternary / FP4 ones. Types our kernels
+    keep quantized are chosen later (``--weights auto``); the others run dequantized.
+    """
+    from gguf import GGML_QUANT_SIZES, quants
+
+    readable = {}
+    for qtype, (block, size) in GGML_QUANT_SIZES.items():
+        try:
+            quants.dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
+        except (NotImplementedError, ValueError, TypeError, KeyError):
+            continue
+        readable[qtype.name] = (int(qtype.value), int(block), int(size))
+    return readable
+
+
+GGML_TYPES: dict[str, tuple[int, int, int]] = _readable_types()
 _TYPE_BY_ID = {type_id: name for name, (type_id, _, _) in GGML_TYPES.items()}
 
 # GGUF architectures -> our ``ModelConfig.arch`` (Mistral files use the ``llama`` architecture).
