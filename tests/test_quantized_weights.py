@@ -186,7 +186,7 @@ def tiny_quantized(tiny_models, tmp_path_factory):
 
     folder = tiny_models["llama"][0]
     root = tmp_path_factory.mktemp("tinyq")
-    return {qtype: save_as_gguf(folder, root / f"llama-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q5_0")}
+    return {qtype: save_as_gguf(folder, root / f"llama-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1")}
 
 
 def _logits(llm, ids):
@@ -212,7 +212,8 @@ def _assert_close_logits(test, ref, rel=0.03):
     assert error <= rel, error
 
 
-@pytest.mark.parametrize("qtype,expected", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
+@pytest.mark.parametrize("qtype,expected", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8"), ("Q5_0", "int8"),
+                                            ("Q5_1", "int8")])
 def test_auto_keeps_the_file_quantization(tiny_quantized, qtype, expected):
     from hybridllm import LLM
 
@@ -237,14 +238,24 @@ def test_auto_keeps_the_file_quantization(tiny_quantized, qtype, expected):
     assert sum(quant.weight_bytes.values()) < 0.5 * sum(ref.weight_bytes.values())
 
 
-def test_auto_falls_back_to_float_for_types_without_kernel(tiny_quantized, caplog):
+def test_auto_falls_back_to_float_for_types_without_kernel(tiny_models, tmp_path, caplog):
+    """MXFP4 (a type the gguf package writes and reads, with no kernel here) runs in float under
+    ``auto``, with one log line; ``int4`` requantizes it."""
     from hybridllm import LLM
+    from hybridllm.loading.gguf_vocab import tokenizer_metadata_from_hf
+    from hybridllm.loading.gguf_writer import write_gguf
+    from hybridllm.loading.safetensors import HFCheckpoint
 
+    folder = tiny_models["llama"][0]
+    checkpoint = HFCheckpoint(folder)
+    tensors = {name: checkpoint.dequantize(name, checkpoint.read(name)) for name in checkpoint.parameter_names()}
+    path = write_gguf(tmp_path / "mxfp4.gguf", checkpoint.config, tensors, tokenizer_metadata_from_hf(folder), "F32",
+                      type_for=lambda name, t: "MXFP4" if name.endswith("proj.weight") else "F32")
     with caplog.at_level(logging.WARNING, logger="hybridllm"):
-        llm = LLM(tiny_quantized["Q5_0"], weights="auto")
+        llm = LLM(path, weights="auto")
     assert llm.weights_format == "float32"
-    assert any("Q5_0" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
-    forced = LLM(tiny_quantized["Q5_0"], weights="int4")  # requantized from float
+    assert any("MXFP4" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
+    forced = LLM(path, weights="int4")  # requantized from float
     assert forced.weights_format == "int4"
 
 

@@ -8,7 +8,8 @@ time, so no float copy of a quantized matrix is ever made:
 - Q8_0 -> int8 per output channel (requantized from the blocks, in row chunks); the output
   head and the token embedding keep Q8_0's scale per 32 values exactly (``Int8GroupedLinear``);
 - ``--weights int4`` / ``int8`` requantize other types (from float, one matrix at a time);
-- with ``auto``, other types run in the compute dtype (one log line per type);
+- with ``auto``, Q5_0/Q5_1/Q5_K/Q6_K -> int8 per output channel (requantized from the blocks);
+  other types run in the compute dtype (one log line per type);
 - the token embedding is int8 (a lookup dequantizes only its rows); a tied head is the same
   table run through the int8 kernel.
 
@@ -50,6 +51,10 @@ from hybridllm.timing import ColdStart, synchronize
 logger = logging.getLogger(__name__)
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# 5- and 6-bit types kept quantized under ``auto`` as int8 codes per output channel (requantized
+# from their blocks): 8 bits hold their values more finely than their own grids, the int8 kernels
+# run them, and they take ~1/4 of float32's memory (docs/benchmarks.md: bytes, speed, error).
+INT8_REQUANTIZED_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 EMBEDDING = "model.embed_tokens.weight"
 ROW_CHUNK = 2048  # rows requantized at a time (bounds the float scratch of big matrices)
 
@@ -80,7 +85,7 @@ def plan_format(weights: str, param_name: str, type_name: str) -> str:
     # auto: keep the file's quantization where a kernel exists
     if type_name in INT4_TYPES:
         return "int4"
-    if type_name == "Q8_0":
+    if type_name == "Q8_0" or type_name in INT8_REQUANTIZED_TYPES:
         return "int8"
     return "float"
 
