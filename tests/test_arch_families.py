@@ -122,3 +122,23 @@ def test_gguf_of_an_unsupported_architecture_names_the_supported_ones(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedModelError, match="'falcon'.*supported: .*qwen3.*phi3.*gemma2.*gemma3"):
         GGUFFile(tmp_path / "g.gguf")
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "mistral", "qwen3", "phi3"])
+def test_llama_cpp_reads_our_gguf_of_every_family(tiny_models, arch):
+    """Our GGUF files (written as llama.cpp's converter does) run in llama.cpp with our logits."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    from hybridllm import LLM
+
+    path = tiny_models[arch][1]
+    ids = list(range(5, 37))
+    theirs = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+    theirs.eval(ids)
+    their_logits = np.array(theirs.scores[: len(ids)])
+    ours = LLM(path, weights="float")
+    with torch.inference_mode():
+        our_logits = ours.model(torch.tensor([ids]), ours.new_cache(), start_pos=0, all_logits=True)[0].numpy()
+    assert np.corrcoef(their_logits.ravel(), our_logits.ravel())[0, 1] > 0.999
+    assert (their_logits.argmax(-1) == our_logits.argmax(-1)).mean() >= 0.9
