@@ -83,14 +83,14 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 def test_unsupported_tensor_type_lists_supported(tmp_path):
     import gguf
 
-    path = tmp_path / "iq.gguf"
+    path = tmp_path / "q8k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    qtype = gguf.GGMLQuantizationType.Q8_K  # llama.cpp's intermediate type: no file format reads it
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    writer.add_tensor("token_embd.weight", np.zeros((4, 64 // block * size), dtype=np.uint8),
+    writer.add_tensor("token_embd.weight", np.zeros((4, 256 // block * size), dtype=np.uint8),
                       raw_dtype=qtype)
     writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
-    assert_one_line_error(run_cli("generate", "hi", "--model", str(path)), "IQ4_NL", "Q4_K")
+    assert_one_line_error(run_cli("generate", "hi", "--model", str(path)), "Q8_K", "IQ4_NL")
 
 
 def test_prompt_longer_than_context(tiny_models):
