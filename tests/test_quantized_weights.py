@@ -302,6 +302,79 @@ def test_q4_k_file_loads_as_int4(tiny_models, tmp_path, monkeypatch):
     _assert_close_logits(_logits(quant, ids), _logits(ref, ids), rel=0.1)
 
 
+LLAMA_CPP_FILE_TYPES = {"Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+
+
+@pytest.fixture(scope="module")
+def k_quant_files(tmp_path_factory):
+    """llama.cpp's own quantizer on a tiny llama (widths multiples of 256, as K-quants need):
+    file type -> GGUF path."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tiny_models import build_hf_model, save_as_gguf
+
+    root = tmp_path_factory.mktemp("kquant")
+    build_hf_model(root / "hf", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    source = save_as_gguf(root / "hf", root / "f32.gguf", "F32")
+    files = {}
+    for name, ftype in LLAMA_CPP_FILE_TYPES.items():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.nthread = ftype, 1
+        path = root / f"{name}.gguf"
+        assert llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) == 0
+        files[name] = path
+    return {"F32": source, **files}
+
+
+@pytest.mark.parametrize("file_type", list(LLAMA_CPP_FILE_TYPES))
+def test_k_quant_files_stay_quantized(k_quant_files, file_type):
+    """Q5_K / Q6_K projections are int8 with a scale per 32 values under ``auto``; a stack whose
+    parts differ in type (Q4_K_M: a Q6_K v beside Q4_K q/k) becomes one grouped int8 matrix, so
+    every layer gets a native decode step; the logits are those of the kept weights and near the
+    file's float values."""
+    from hybridllm import LLM
+    from hybridllm.kernels.native import build_native_steps
+    from hybridllm.models.fuse import ConcatLinear
+
+    path = k_quant_files[file_type]
+    quant, ref = LLM(path, weights="auto"), LLM(path, weights="float")
+    types = {t.type_name for t in quant.checkpoint.tensors.values()}
+    assert types & {"Q5_K", "Q6_K"}, types
+    assert "float" not in quant.weights_format
+    grouped = 0
+    for i, layer in enumerate(quant.model.model.layers):
+        for name in ("q", "k", "v"):
+            if quant.checkpoint.tensors[f"blk.{i}.attn_{name}.weight"].type_name in ("Q5_K", "Q6_K"):
+                assert isinstance(layer.self_attn.qkv_proj, Int8GroupedLinear)
+                grouped += 1
+        if quant.checkpoint.tensors[f"blk.{i}.ffn_down.weight"].type_name in ("Q5_K", "Q6_K"):
+            assert isinstance(layer.mlp.down_proj, Int8GroupedLinear)
+            grouped += 1
+        assert not any(isinstance(m, ConcatLinear) for m in layer.modules())
+    assert grouped > 0
+    assert build_native_steps(quant.model).report.layers == len(quant.model.model.layers)
+    ids = list(range(5, 40))
+    ours = _logits(quant, ids)
+    _assert_close_logits(ours, _dequantized_logits(quant, ids))
+    # what keeping the weights as int8 costs, against what the file's own quantization cost
+    kept, original = _logits(ref, ids), _logits(LLM(k_quant_files["F32"], weights="float"), ids)
+    assert (ours - kept).norm() <= 0.5 * (kept - original).norm()
+    assert sum(quant.weight_bytes.values()) < 0.45 * sum(ref.weight_bytes.values())
+
+
+def test_mixed_stacks_take_grouped_int8():
+    from hybridllm.loading.quantized_loader import plan_formats
+
+    parts = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj")
+    types = dict(zip((f"{p}.weight" for p in parts), ("Q4_K", "Q4_K", "Q6_K")))
+    assert set(plan_formats("auto", types, [parts]).values()) == {"int8-groups"}
+    types[f"{parts[2]}.weight"] = "Q4_K"
+    assert set(plan_formats("auto", types, [parts]).values()) == {"int4"}
+    types[f"{parts[2]}.weight"] = "F16"  # a float part: the others keep their own format
+    assert list(plan_formats("auto", types, [parts]).values()) == ["int4", "int4", "float"]
+
+
 def test_quantize_model_transform_on_a_float_model(tiny_models):
     from hybridllm import LLM
 

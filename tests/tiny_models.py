@@ -91,12 +91,12 @@ def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
     if arch == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "mistral":
-        return MistralConfig(**common, sliding_window=None)
+        return MistralConfig(**{"sliding_window": None, **common})
     if arch == "qwen3":  # head_dim 32 != hidden / heads (16), tied embeddings, as the small Qwen3s
         return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32, use_sliding_window=False)
     if arch in ("phi3", "phi3_partial"):
         factor = 0.5 if arch == "phi3_partial" else 1.0
-        return Phi3Config(**common, pad_token_id=None, sliding_window=None, partial_rotary_factor=factor,
+        return Phi3Config(**{"sliding_window": None, **common}, pad_token_id=None, partial_rotary_factor=factor,
                           original_max_position_embeddings=common["max_position_embeddings"])
     if arch in ("gemma2", "gemma3"):
         gemma = dict(common, head_dim=16, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,

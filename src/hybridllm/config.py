@@ -27,7 +27,8 @@ class ArchFamily:
         stacked_checkpoint: the checkpoint stores ``qkv_proj`` and ``gate_up_proj`` stacked, as
             the model does (Phi-3); otherwise q/k/v and gate/up are separate and stacked at load.
         qkv_bias: the default of ``attention_bias`` when config.json omits it (Qwen2).
-        sliding_window_by_default: ``sliding_window`` applies without ``use_sliding_window``.
+        sliding_window_by_default: ``sliding_window`` applies, to every layer, without
+            ``use_sliding_window`` (Mistral, Phi-3: as transformers applies it).
         gemma_layout: the Gemma decoder: embedding scaled by sqrt(hidden_size), a GeGLU MLP (gelu,
             tanh approximation), norms around attention and the MLP (post-attention,
             pre/post-feedforward), RMSNorm scaling in float32 by weights stored as 1 + w in the
@@ -126,8 +127,8 @@ class ModelConfig:
     sliding_window: int | None = None
     # Share of each head's dimensions that is rotated (Phi-3 / Phi-4-mini); the rest passes through.
     partial_rotary_factor: float = 1.0
-    # Gemma: which layers attend through ``sliding_window`` (empty: none; Mistral and Phi-3 read
-    # ``sliding_window`` but attend globally, as before), their rotary base, the attention scale
+    # Which layers attend through ``sliding_window`` (empty: none; Mistral and Phi-3: all of them,
+    # Gemma: its pattern); Gemma: their rotary base, the attention scale
     # ``query_pre_attn_scalar ** -0.5`` and the tanh soft-capping of attention scores and logits.
     sliding_layers: tuple[bool, ...] = ()
     local_rope_theta: float | None = None
@@ -234,6 +235,8 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: {SUPPORTED_ROPE_SCALING}")
         n_layers = int(cfg["num_hidden_layers"])
         gemma = family.gemma_layout
+        applies = gemma or family.sliding_window_by_default or cfg.get("use_sliding_window")
+        window = cfg.get("sliding_window") if applies else None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -251,9 +254,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
             rope_scaling=scaling,
-            sliding_window=cfg.get("sliding_window") if gemma or cfg.get("use_sliding_window",
-                                                                         family.sliding_window_by_default) else None,
-            sliding_layers=_sliding_layers(cfg, family, n_layers) if gemma and cfg.get("sliding_window") else (),
+            sliding_window=window,
+            sliding_layers=_sliding_layers(cfg, family, n_layers) if window else (),
             local_rope_theta=_local_rope_theta(cfg, family, local_rope),
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
@@ -266,11 +268,17 @@ class ModelConfig:
 
 
 def _sliding_layers(cfg: dict[str, Any], family: ArchFamily, n_layers: int) -> tuple[bool, ...]:
-    """Which layers of a Gemma ``config.json`` attend through the sliding window: its
-    ``layer_types``, else its (or the family's) ``sliding_window_pattern``."""
+    """Which layers of a ``config.json`` with a sliding window attend through it: its
+    ``layer_types``, else every layer (Mistral, Phi-3), else Gemma's ``sliding_window_pattern``,
+    else (Qwen2/Qwen3 with ``use_sliding_window``) the layers from ``max_window_layers`` on."""
     types = cfg.get("layer_types")
     if types:
         return tuple(kind == "sliding_attention" for kind in types)
+    if family.sliding_window_by_default:
+        return (True,) * n_layers
+    if not family.gemma_layout:
+        first = int(cfg.get("max_window_layers", 0))
+        return tuple(i >= first for i in range(n_layers))
     pattern = int(cfg.get("sliding_window_pattern") or family.sliding_window_pattern)
     return tuple(bool((i + 1) % pattern) for i in range(n_layers))
 

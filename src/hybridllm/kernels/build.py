@@ -30,7 +30,7 @@ from hybridllm.errors import HybridLLMError
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
-ABI_VERSION = 5  # must equal ABI_VERSION in decode.cpp
+ABI_VERSION = 6  # must equal ABI_VERSION in decode.cpp
 
 
 class KernelBuildError(HybridLLMError, RuntimeError):

@@ -42,7 +42,7 @@
 
 namespace {
 
-constexpr int32_t ABI_VERSION = 5;
+constexpr int32_t ABI_VERSION = 6;
 constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
 
 enum KVDtype : int32_t {
@@ -89,14 +89,17 @@ struct HLDecoderLayer {
 };
 
 // One layer's KV buffers of one sequence ((Hkv, capacity, D) each, float32 or float16 as kv_dtype
-// says) and the row of this step's token.
+// says), the row of this step's token, and the layer's sliding window (the newest `window` keys,
+// its own included, are attended; 0: all of them).
 struct HLLayerCache {
   void* keys;
   void* values;
   int64_t capacity;
   int64_t start;
   int32_t kv_dtype;  // KV_F32 or KV_F16
-  int32_t reserved;
+  int32_t window;
+  int64_t first() const { return window > 0 && start + 1 > window ? start + 1 - window : 0; }  // first key attended
+  int64_t attended() const { return start + 1 - first(); }  // keys attended
 };
 
 int32_t hl_abi_version() { return ABI_VERSION; }
@@ -1133,30 +1136,33 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
   int64_t all_items = 0;
   for (int64_t r = 0; r < rows; ++r) {
     offsets[r] = all_items;
-    all_items += AttentionSplit(caches[r].start + 1, n_kv_heads).items;
+    all_items += AttentionSplit(caches[r].attended(), n_kv_heads).items;
   }
   const Share share(all_items, team);
   int64_t r = 0;
   for (int64_t i = share.first; i < share.last; ++i) {
-    while (i >= offsets[r] + AttentionSplit(caches[r].start + 1, n_kv_heads).items) ++r;
+    while (i >= offsets[r] + AttentionSplit(caches[r].attended(), n_kv_heads).items) ++r;
     const HLLayerCache& c = caches[r];
-    const AttentionSplit split(c.start + 1, n_kv_heads);
+    const AttentionSplit split(c.attended(), n_kv_heads);
     float* part_out = ws.part_out.data() + r * row_items * group * d;
     float* part_max = ws.part_max.data() + r * row_items * group;
     float* part_sum = ws.part_sum.data() + r * row_items * group;
+    const int64_t skip = c.first() * d;  // a sliding window starts `first` rows into every head
     if (c.kv_dtype == KV_F16)
-      attention_item(q + r * q_stride, static_cast<const uint16_t*>(c.keys), static_cast<const uint16_t*>(c.values),
-                     c.capacity, c.start + 1, group, d, split, i - offsets[r], part_out, part_max, part_sum, scores);
+      attention_item(q + r * q_stride, static_cast<const uint16_t*>(c.keys) + skip,
+                     static_cast<const uint16_t*>(c.values) + skip, c.capacity, c.attended(), group, d, split,
+                     i - offsets[r], part_out, part_max, part_sum, scores);
     else
-      attention_item(q + r * q_stride, static_cast<const float*>(c.keys), static_cast<const float*>(c.values),
-                     c.capacity, c.start + 1, group, d, split, i - offsets[r], part_out, part_max, part_sum, scores);
+      attention_item(q + r * q_stride, static_cast<const float*>(c.keys) + skip,
+                     static_cast<const float*>(c.values) + skip, c.capacity, c.attended(), group, d, split,
+                     i - offsets[r], part_out, part_max, part_sum, scores);
   }
   team.barrier();  // every item is done
   const Share heads(rows * n_heads, team);
   for (int64_t i = heads.first; i < heads.last; ++i) {
     const int64_t row = i / n_heads;
     const int h = static_cast<int>(i % n_heads);
-    merge_head(h, group, d, AttentionSplit(caches[row].start + 1, n_kv_heads),
+    merge_head(h, group, d, AttentionSplit(caches[row].attended(), n_kv_heads),
                ws.part_out.data() + row * row_items * group * d, ws.part_max.data() + row * row_items * group,
                ws.part_sum.data() + row * row_items * group, out + i * d);
   }

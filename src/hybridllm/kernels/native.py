@@ -108,7 +108,7 @@ class HLLayerCache(ctypes.Structure):
         ("capacity", ctypes.c_int64),
         ("start", ctypes.c_int64),
         ("kv_dtype", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("window", ctypes.c_int32),  # the layer's sliding window (0: none)
     ]
 
 
@@ -279,6 +279,7 @@ def claim_slots(caches: list[KVCache], layer_idx: int, out: ctypes.Array) -> Non
         entry.keys, entry.values = slot.keys.data_ptr(), slot.values.data_ptr()
         entry.capacity, entry.start = slot.keys.shape[2], slot.start
         entry.kv_dtype = KV_DTYPES[slot.keys.dtype]
+        entry.window = slot.window or 0
 
 
 def rotary_rows(table: torch.Tensor, rows: int) -> torch.Tensor:

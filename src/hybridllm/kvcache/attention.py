@@ -69,9 +69,17 @@ class AttentionOptions:
 PLAIN = AttentionOptions()
 
 
-def layer_attention(config: ModelConfig) -> tuple[AttentionOptions, ...]:
-    """Every layer's :class:`AttentionOptions` of a model; () when all of them are plain."""
-    options = tuple(AttentionOptions(config.attention_scale, config.attn_logit_softcapping, config.layer_window(i))
+def layer_attention(config: ModelConfig, context_length: int | None = None) -> tuple[AttentionOptions, ...]:
+    """Every layer's :class:`AttentionOptions` of a model; () when all of them are plain.
+
+    A window that holds the whole context (``context_length`` tokens, when given) never hides a
+    key, so it is dropped: a Mistral model (window 4096) run with ``--ctx-size 4096`` attends
+    plainly, and every KV strategy and decode backend serves it."""
+    def window(i: int) -> int | None:
+        size = config.layer_window(i)
+        return None if size is None or (context_length is not None and size >= context_length) else size
+
+    options = tuple(AttentionOptions(config.attention_scale, config.attn_logit_softcapping, window(i))
                     for i in range(config.n_layers))
     return () if all(o.plain for o in options) else options
 

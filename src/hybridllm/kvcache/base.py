@@ -130,11 +130,13 @@ class KVSpec:
 
 @dataclass(frozen=True)
 class InPlaceSlot:
-    """A layer's K/V buffers ((B, Hkv, capacity, D) each) and the first row to write."""
+    """A layer's K/V buffers ((B, Hkv, capacity, D) each), the first row to write, and the
+    layer's sliding window (the newest ``window`` keys are attended; None: all)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     start: int
+    window: int | None = None
 
 
 class KVCache(ABC):

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from hybridllm.config import KVConfig
-from hybridllm.kvcache.attention import causal_attention
+from hybridllm.kvcache.attention import AttentionOptions, causal_attention
 from hybridllm.kvcache.base import InPlaceSlot, KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.storage import DenseKV
 from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes
@@ -86,7 +86,7 @@ class DynamicCache(KVCache):
         spec = self.spec
         return (self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
                 and self.kv_dtype in (torch.float32, torch.float16)  # what the native kernels read
-                and spec.layer_options(layer_idx).plain)  # the native kernel attends plainly
+                and _windowed_only(spec.layer_options(layer_idx)))  # the native kernel: plain or windowed
 
     def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
         store = self._stores[layer_idx]
@@ -94,7 +94,7 @@ class DynamicCache(KVCache):
         store.ensure(past + n_new)
         store.length = past + n_new  # the caller writes rows past .. past+n_new-1 itself
         keys, values = store.buffers()  # (B, Hkv, capacity, D) each
-        return InPlaceSlot(keys, values, past)
+        return InPlaceSlot(keys, values, past, self.spec.layer_options(layer_idx).window)
 
     def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, moved_bytes: int = 0) -> None:
         """Append ``keys``/``values`` (B, Hkv, T, D) to a layer without attending (a cache being
@@ -141,3 +141,8 @@ STRATEGY = KVStrategy(
     describe=lambda config: "dynamic KV",
     attention_options=True,
 )
+
+
+def _windowed_only(options: AttentionOptions) -> bool:
+    """Whether a layer attends plainly but for a sliding window (what the native kernels run)."""
+    return options.scale is None and options.softcap is None

@@ -288,9 +288,11 @@ class GGUFFile:
         rotary_dim = int(key("rope.dimension_count", head_dim))
         eos = [md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in md]
         window = key("attention.sliding_window") or None  # phi3 files write 0 for none
-        gemma: dict[str, Any] = {}
+        attention: dict[str, Any] = {}  # the sliding-window layers, Gemma's attention options
+        if window and not family.gemma_layout:  # phi3: every layer
+            attention = dict(sliding_layers=(True,) * n_layers)
         if family.gemma_layout:
-            gemma = dict(
+            attention = dict(
                 sliding_layers=self._sliding_layers(family, n_layers) if window else (),
                 local_rope_theta=key("rope.freq_base_swa", family.local_rope_theta),
                 query_pre_attn_scalar=float(md.get(QUERY_PRE_ATTN_SCALAR.format(arch=gguf_arch)) or (
@@ -319,7 +321,7 @@ class GGUFFile:
             bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
             name=str(md.get("general.name", self.path.stem)),
-            **gemma,
+            **attention,
         )
 
     def _sliding_layers(self, family: Any, n_layers: int) -> tuple[bool, ...]:

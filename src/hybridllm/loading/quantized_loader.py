@@ -8,8 +8,13 @@ time, so no float copy of a quantized matrix is ever made:
 - Q8_0 -> int8 per output channel (requantized from the blocks, in row chunks); the output
   head and the token embedding keep Q8_0's scale per 32 values exactly (``Int8GroupedLinear``);
 - ``--weights int4`` / ``int8`` requantize other types (from float, one matrix at a time);
-- with ``auto``, Q5_0/Q5_1 -> int8 per output channel (requantized from the blocks);
-  other types run in the compute dtype (one log line per type);
+- with ``auto``, Q5_0/Q5_1 -> int8 per output channel (requantized from the blocks); Q5_K/Q6_K
+  -> int8 with a scale per 32 values (``Int8GroupedLinear``, requantized from the blocks: their
+  16/32-value sub-block scales need more than one scale per row); other types run in the
+  compute dtype (one log line per type);
+- parts of one stacked projection (q/k/v, gate/up) planned in different int formats (a Q6_K
+  ``v_proj`` beside Q4_K ``q_proj``/``k_proj`` in a Q4_K_M file) all take the grouped int8
+  format, so they stack into one matrix that the native decode kernels run;
 - the token embedding is int8 (a lookup dequantizes only its rows); a tied head is the same
   table run through the int8 kernel.
 
@@ -53,9 +58,13 @@ logger = logging.getLogger(__name__)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # 5-bit types kept quantized under ``auto`` as int8 codes per output channel (requantized from
 # their blocks): the int8 kernels run them in ~1/4 of float32's memory with an error like our Q8_0
-# path's (docs/benchmarks.md). Not Q5_K/Q6_K: their sub-block scales span more than one int8 scale
-# per channel holds well (a random-block test lost 22% of the logits' norm), so they stay float.
+# path's (docs/benchmarks.md).
 INT8_REQUANTIZED_TYPES = ("Q5_0", "Q5_1")
+# K-quant 5/6-bit types: int8 with a scale per 32 values. One scale per row cannot hold their
+# sub-block scales (a random-block Q6_K test lost 22% of the logits' norm that way); a scale per
+# 32 values adds an error ~1/8 of their own quantization step (docs/benchmarks.md).
+INT8_GROUPED_TYPES = ("Q5_K", "Q6_K")
+FORMATS = ("float", "int4", "int8", "int8-groups")
 EMBEDDING = "model.embed_tokens.weight"
 ROW_CHUNK = 2048  # rows requantized at a time (bounds the float scratch of big matrices)
 
@@ -72,23 +81,40 @@ def file_type(checkpoint, file_name: str) -> str:
 
 
 def plan_format(weights: str, param_name: str, type_name: str) -> str:
-    """"int4", "int8" or "float" for one weight, before checking kernel shape constraints."""
+    """One of ``FORMATS`` for one weight, before checking kernel shape constraints.
+
+    The vocabulary-wide tables (token embedding, output head) are int8 with group scales
+    whenever they are quantized ("int8-groups")."""
     if weights == "float" or not (_is_linear_weight(param_name) or param_name == EMBEDDING):
         return "float"
-    if param_name == EMBEDDING:  # the lookup table (and a tied head): int8 rows
-        if weights == "auto":
-            return "float" if type_name in FLOAT_TYPES else "int8"
-        return "int8"
+    if param_name == EMBEDDING:  # the lookup table (and a tied head)
+        return "float" if weights == "auto" and type_name in FLOAT_TYPES else "int8-groups"
     if weights == "int8":
-        return "int8"
+        return "int8-groups" if param_name == HEAD else "int8"
     if weights == "int4":
-        return "int8" if param_name == HEAD and type_name not in INT4_TYPES else "int4"
+        return "int8-groups" if param_name == HEAD and type_name not in INT4_TYPES else "int4"
     # auto: keep the file's quantization where a kernel exists
     if type_name in INT4_TYPES:
         return "int4"
     if type_name == "Q8_0" or type_name in INT8_REQUANTIZED_TYPES:
-        return "int8"
+        return "int8-groups" if param_name == HEAD else "int8"
+    if type_name in INT8_GROUPED_TYPES:
+        return "int8-groups"
     return "float"
+
+
+def plan_formats(weights: str, types: dict[str, str], stacks: list[tuple[str, ...]]) -> dict[str, str]:
+    """Every weight's format: :func:`plan_format` per weight (``types``: parameter name -> GGML
+    type name), then the parts of each stacked projection (``stacks``: their module names)
+    whose int formats differ all take "int8-groups", so they stack into one matrix."""
+    formats = {name: plan_format(weights, name, type_name) for name, type_name in types.items()}
+    for parts in stacks:
+        names = [f"{part}.weight" for part in parts if f"{part}.weight" in formats]
+        planned = {formats[name] for name in names}
+        if len(planned) > 1 and "float" not in planned:
+            for name in names:
+                formats[name] = "int8-groups"
+    return formats
 
 
 def load_quantized_model(
@@ -109,6 +135,9 @@ def load_quantized_model(
     state: dict[str, torch.Tensor] = {}
     modules: dict[str, nn.Module] = {}  # quantized modules by checkpoint module name
     fallbacks: Counter[tuple[str, str]] = Counter()
+    types = {param_name: file_type(checkpoint, file_name) for file_name, param_name in skeleton.names.items()
+             if param_name in skeleton.expected}
+    formats = plan_formats(weights, types, [stacked.parts for stacked in skeleton.model.stacked_projections()])
     with progress(skeleton.show_progress, skeleton.total, checkpoint.path.name) as advance:
         for file_name, param_name in skeleton.names.items():
             if param_name not in skeleton.expected:
@@ -117,8 +146,7 @@ def load_quantized_model(
             raw = checkpoint.read(file_name)
             t1 = time.perf_counter()
             device = device_for(param_name)
-            type_name = file_type(checkpoint, file_name)
-            fmt = plan_format(weights, param_name, type_name)
+            type_name, fmt = types[param_name], formats[param_name]
             module = None
             if fmt != "float":
                 module, why = _build(checkpoint, file_name, param_name, raw, fmt, type_name, dtype, device)
@@ -214,13 +242,7 @@ def _build(checkpoint, file_name: str, param_name: str, raw, fmt: str, type_name
     """The quantized module of one weight, or (None, why) when no kernel runs its shape on ``device``."""
     shape = checkpoint.tensors[file_name].shape if getattr(checkpoint, "file_format", None) == "gguf" else raw.shape
     n, k = int(shape[0]), int(shape[-1])
-    grouped = param_name in (EMBEDDING, HEAD)  # the vocabulary-wide tables keep Q8_0's group scales
-    if grouped:
-        reason = int8_unsupported_reason(device, n, k)
-    elif fmt == "int4":
-        reason = int4_unsupported_reason(device, n, k)
-    else:
-        reason = int8_unsupported_reason(device, n, k)
+    reason = int4_unsupported_reason(device, n, k) if fmt == "int4" else int8_unsupported_reason(device, n, k)
     if reason:
         return None, reason
     rows = _raw_rows(checkpoint, file_name, raw)
@@ -228,7 +250,7 @@ def _build(checkpoint, file_name: str, param_name: str, raw, fmt: str, type_name
         if rows is not None and type_name in INT4_TYPES:
             return Int4Linear.from_int4_rows(unpack_int4(rows, type_name), device=device), ""
         return Int4Linear.from_float(_float_matrix(checkpoint, file_name, raw, rows), device=device), ""
-    if grouped:
+    if fmt == "int8-groups":
         codes, scales = _int8_group_rows(checkpoint, file_name, raw, rows, type_name)
         if param_name == EMBEDDING:
             return Int8Embedding.from_codes(codes, scales, device, dtype), ""

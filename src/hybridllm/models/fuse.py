@@ -12,6 +12,8 @@ input (:func:`stack_projections`), turning 5 calls per layer into 2 with the sam
   concatenated along the output axis. Group-wise int4 has no per-matrix state, so the stacked
   product equals the separate ones (up to the kernel's own summation order).
 - :class:`~hybridllm.models.quantized.Int8Linear`: codes and per-row scales are concatenated.
+- :class:`~hybridllm.models.quantized.Int8GroupedLinear`: codes and group scales are
+  concatenated along the output axis of their group-major slabs.
 
 Parts that cannot be stacked (different types or kernel settings, e.g. a Q6_K ``v_proj`` in a
 Q4_K_M file), or a load asked not to (``fuse=False``), become a :class:`ConcatLinear`: the same
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridllm.models.quantized import Int4Linear, Int8Linear, _int4_pack
+from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, _int4_pack
 
 
 class ConcatLinear(nn.Module):
@@ -61,6 +63,8 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
         return _concat_int4(parts)
     if kind is Int8Linear:
         return _concat_int8(parts)
+    if kind is Int8GroupedLinear:
+        return _concat_int8_groups(parts)
     return None
 
 
@@ -114,3 +118,12 @@ def _concat_int8(parts: list[Int8Linear]) -> Int8Linear | None:
     weight = torch.cat([p.weight for p in parts], dim=0).contiguous()  # (N_total, K) int8
     scales = torch.cat([p.scales for p in parts], dim=0).contiguous()  # (N_total,)
     return Int8Linear(weight, scales, _concat_bias(parts, device))
+
+
+def _concat_int8_groups(parts: list[Int8GroupedLinear]) -> Int8GroupedLinear | None:
+    device = _same_device(parts)
+    if device is None or len({(p.group_size, p.kernel_dtype) for p in parts}) != 1:
+        return None
+    weight = torch.cat([p.weight for p in parts], dim=1).contiguous()  # (G, N_total, group) int8
+    scales = torch.cat([p.scales for p in parts], dim=1).contiguous()  # (G, N_total)
+    return Int8GroupedLinear(weight, scales, parts[0].kernel_dtype, _concat_bias(parts, device))

@@ -77,7 +77,7 @@ class Runtime:
             device=self.devices.device,
             host_device=self.devices.host,
             max_tokens=self.context_length,
-            attention=layer_attention(cfg),
+            attention=layer_attention(cfg, self.context_length),
         )
 
     def kv_ledger(self, host_budget: int | None = None) -> MemoryLedger:
