@@ -103,10 +103,10 @@ def test_unsupported_architecture_names_the_supported_ones():
     assert {"qwen3", "phi3"} <= set(SUPPORTED_ARCHITECTURES)
 
 
-def test_longrope_is_refused_in_one_line(tiny_models):
+def test_unknown_rope_scaling_is_refused_in_one_line(tiny_models):
     raw = json.loads((tiny_models["phi3"][0] / "config.json").read_text())
-    raw["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
-    with pytest.raises(UnsupportedModelError, match="'longrope'.*supported: llama3, linear") as info:
+    raw["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    with pytest.raises(UnsupportedModelError, match="'dynamic'.*supported: llama3, linear, longrope") as info:
         ModelConfig.from_hf_dict(raw)
     assert "\n" not in str(info.value)
 

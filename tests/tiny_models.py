@@ -96,8 +96,8 @@ def hf_config(arch: str, vocab_size: int, eos_id: int, **overrides):
         return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=32, use_sliding_window=False)
     if arch in ("phi3", "phi3_partial"):
         factor = 0.5 if arch == "phi3_partial" else 1.0
-        return Phi3Config(**{"sliding_window": None, **common}, pad_token_id=None, partial_rotary_factor=factor,
-                          original_max_position_embeddings=common["max_position_embeddings"])
+        return Phi3Config(**{"sliding_window": None, "original_max_position_embeddings": common["max_position_embeddings"],
+                             **common}, pad_token_id=None, partial_rotary_factor=factor)
     if arch in ("gemma2", "gemma3"):
         gemma = dict(common, head_dim=16, query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
                      tie_word_embeddings=True, pad_token_id=None, rms_norm_eps=1e-6,

@@ -65,7 +65,7 @@ ARCHITECTURES: dict[str, ArchFamily] = {
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ARCH_TEXT = ", ".join(family.label for family in ARCHITECTURES.values())
-SUPPORTED_ROPE_SCALING = "llama3, linear (not longrope: Phi-3 128K variants)"
+SUPPORTED_ROPE_SCALING = "llama3, linear, longrope (Phi-3 128K variants)"
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -88,19 +88,43 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling. ``kind`` is "llama3" (Llama 3.1+ frequency bands) or "linear"."""
+    """Rotary scaling. ``kind`` is "llama3" (Llama 3.1+ frequency bands), "linear", or
+    "longrope" (Phi-3 128K: per-dimension divisors of the frequencies, ``short_factor`` while a
+    sequence fits ``original_max_position_embeddings`` and ``long_factor`` beyond it, chosen per
+    forward as transformers does; cos and sin are scaled by ``attention_factor``)."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("llama3", "linear"):
+        if self.kind not in ("llama3", "linear", "longrope"):
             raise UnsupportedModelError(f"unsupported rope scaling {self.kind!r}; supported: {SUPPORTED_ROPE_SCALING}")
         if self.factor <= 0:
             raise ConfigError("rope scaling factor must be > 0")
+        if self.kind == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ConfigError(f"longrope needs short_factor and long_factor of one length, got "
+                              f"{len(self.short_factor)} and {len(self.long_factor)}")
+
+    @classmethod
+    def longrope(cls, short_factor, long_factor, original_max_position_embeddings: int, max_position_embeddings: int,
+                 factor: float | None = None, attention_factor: float | None = None) -> "RopeScaling":
+        """Phi-3's longrope; ``factor`` defaults to the window's growth (max / original) and
+        ``attention_factor`` to sqrt(1 + ln(factor) / ln(original)) (1 without growth), as in
+        transformers and llama.cpp's converter."""
+        factor = factor or max_position_embeddings / original_max_position_embeddings
+        if attention_factor is None:
+            attention_factor = (math.sqrt(1 + math.log(factor) / math.log(original_max_position_embeddings))
+                                if factor > 1 else 1.0)
+        return cls(kind="longrope", factor=float(factor),
+                   original_max_position_embeddings=int(original_max_position_embeddings),
+                   short_factor=tuple(float(f) for f in short_factor), long_factor=tuple(float(f) for f in long_factor),
+                   attention_factor=float(attention_factor))
 
 
 @dataclass(frozen=True)
@@ -155,6 +179,10 @@ class ModelConfig:
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ConfigError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives "
                               f"{self.rotary_dim} rotated dimensions of {self.head_dim}; they must be even and > 0")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) * 2 != self.rotary_dim:
+            raise ConfigError(f"model config: longrope has {len(scaling.short_factor)} factors for "
+                              f"{self.rotary_dim // 2} rotary frequencies")
         if self.sliding_layers and (len(self.sliding_layers) != self.n_layers or not self.sliding_window):
             raise ConfigError(f"model config: {len(self.sliding_layers)} layer types for {self.n_layers} layers "
                               f"(sliding window {self.sliding_window})")
@@ -231,6 +259,13 @@ class ModelConfig:
             )
         elif rope_type == "linear":
             scaling = RopeScaling(kind="linear", factor=float(rope_params["factor"]))
+        elif rope_type in ("longrope", "su"):
+            original = cfg.get("original_max_position_embeddings") or rope_params.get("original_max_position_embeddings")
+            if not original:
+                raise ConfigError("longrope rope scaling without original_max_position_embeddings")
+            scaling = RopeScaling.longrope(rope_params["short_factor"], rope_params["long_factor"], int(original),
+                                           int(cfg.get("max_position_embeddings", 4096)), rope_params.get("factor"),
+                                           rope_params.get("attention_factor"))
         elif rope_type not in ("default", None):
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: {SUPPORTED_ROPE_SCALING}")
         n_layers = int(cfg["num_hidden_layers"])

@@ -393,7 +393,8 @@ class Scheduler:
         if params.repetition_penalty != 1.0:
             seq.history = torch.tensor(seq.prompt_ids, dtype=torch.long)
         seq.adopt(self._new_cache(seq, on_host=False), self.runtime.runner)
-        if self.prefix_cache is not None and params.prompt_logprobs is None:  # prompt logprobs need every row
+        if (self.prefix_cache is not None and params.prompt_logprobs is None  # prompt logprobs need every row
+                and not self._rotates_long(len(seq.prompt_ids))):  # stored pages rotate with the short set
             # at least the last prompt token is prefilled: its logits choose the first token
             seq.cached_tokens = self.prefix_cache.restore(seq.prompt_ids, seq.cache, len(seq.prompt_ids) - 1,
                                                           self.prefill_chunk)
@@ -445,9 +446,10 @@ class Scheduler:
 
     def _decode_batch(self, batch: list[SequenceState]) -> list[torch.Tensor]:
         """The next-token logits (vocab,) of each row of one runner's decode batch."""
-        if len(batch) == 1:  # a lone sequence: exactly the forward of a prefill chunk of one token
-            seq = batch[0]
-            return [self._forward(seq, [seq.pending])[0, -1]]
+        if len(batch) == 1 or any(self._crosses_rope_switch(seq, 1) for seq in batch):
+            # a lone sequence: exactly the forward of a prefill chunk of one token (and a longrope
+            # batch in which a row re-encodes its cache: each row alone, this once)
+            return [self._forward(seq, [seq.pending])[0, -1] for seq in batch]
         runner = batch[0].runner
         starts = [seq.cache.seq_length for seq in batch]
         caches = BatchedCaches([seq.cache for seq in batch])
@@ -503,6 +505,8 @@ class Scheduler:
         its start and re-run on the host when the adaptive policy is on. Returns (1, 1, vocab)
         logits on the CPU, (1, T, vocab) with ``all_logits``.
         """
+        n_new = len(tokens)
+        tokens = self._reencode_across_rope_switch(seq, tokens)
         ids = torch.tensor([tokens], dtype=torch.long)  # (1, T); the runner moves it to the embedding
         start = seq.cache.seq_length
         try:
@@ -515,7 +519,29 @@ class Scheduler:
                                                         "device KV budget exhausted mid-step"))
             logits = self._run_runner(seq.runner, ids, seq.cache, start, [seq], all_logits)
         self._relieve(seq)
-        return logits.cpu()
+        return logits[:, -n_new:].cpu() if all_logits else logits.cpu()
+
+    # ---- longrope (Phi-3 128K) ------------------------------------------------------------------
+    def _rotates_long(self, length: int) -> bool:
+        """Whether a sequence of ``length`` tokens rotates with longrope's long factors."""
+        switch = self.runtime.runner.model.rope_switch_length
+        return switch is not None and length > switch
+
+    def _crosses_rope_switch(self, seq: SequenceState, n_new: int) -> bool:
+        """Whether ``n_new`` more tokens take a sequence whose cached keys rotate with longrope's
+        short factors past the switch."""
+        start = seq.cache.seq_length
+        return 0 < start and not self._rotates_long(start) and self._rotates_long(start + n_new)
+
+    def _reencode_across_rope_switch(self, seq: SequenceState, tokens: list[int]) -> list[int]:
+        """The tokens a forward must run: ``tokens``, or, on the forward that takes a longrope
+        sequence past the switch, every cached token before them (the cache emptied), so that all
+        of its keys rotate with the long factors, as transformers' generate recomputes its cache."""
+        if not self._crosses_rope_switch(seq, len(tokens)):
+            return tokens
+        cached = (seq.prompt_ids + seq.generated)[:seq.cache.seq_length]  # what the cache holds
+        seq.cache.truncate(0)
+        return cached + tokens
 
     def _run_runner(self, runner: Any, ids: torch.Tensor, cache: Any, start_pos: int | torch.Tensor,
                     rows: list[SequenceState], all_logits: bool = False) -> torch.Tensor:
@@ -653,6 +679,8 @@ class Scheduler:
     def _keep_pages(self, seq: SequenceState, token_ids: list[int]) -> None:
         """Offer the whole pages of ``token_ids`` held in the sequence's cache to the prefix cache."""
         if self.prefix_cache is None or seq.cache is None or seq.index:  # forks repeat their parent's prompt
+            return
+        if self._rotates_long(seq.cache.seq_length):  # longrope keys past the switch: not for shorter prompts
             return
         try:
             self.prefix_cache.store(token_ids, seq.cache)

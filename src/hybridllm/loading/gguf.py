@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridllm.config import ARCHITECTURES, SUPPORTED_ARCH_TEXT, SUPPORTED_ROPE_SCALING, ModelConfig, RopeScaling
+from hybridllm.config import ARCHITECTURES, SUPPORTED_ARCH_TEXT, ModelConfig, RopeScaling
 from hybridllm.errors import ModelLoadError, UnsupportedModelError
 from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, unpermute_rows
 
@@ -100,7 +100,9 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 QUERY_PRE_ATTN_SCALAR = "{arch}.attention.query_pre_attn_scalar"  # ours, written where it differs
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 ROPE_FREQS = "rope_freqs.weight"  # llama3 per-dimension rotary divisors: config, not a parameter
-LONGROPE_FACTORS = "rope_factors_long.weight"  # Phi-3 128K variants' longrope (not supported)
+# Phi-3 128K variants' longrope divisors (llama.cpp's converter writes them as tensors): config too.
+LONGROPE_LONG, LONGROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+CONFIG_TENSORS = (ROPE_FREQS, LONGROPE_LONG, LONGROPE_SHORT)
 
 # Scalar value types of GGUF key/value pairs: id -> struct format.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -253,13 +255,9 @@ class GGUFFile:
             raise UnsupportedModelError(
                 f"{self.path}: architecture {gguf_arch!r} is not supported; supported: {SUPPORTED_ARCH_TEXT}"
             )
-        if LONGROPE_FACTORS in self.tensors:
-            raise UnsupportedModelError(
-                f"{self.path}: rope scaling 'longrope' is not supported; supported: {SUPPORTED_ROPE_SCALING}"
-            )
         family = ARCHITECTURES[GGUF_ARCHITECTURES[gguf_arch]]
         unknown = [n for n in self.tensors
-                   if n != ROPE_FREQS and hf_tensor_name(n, family.stacked_checkpoint, family.gemma_layout) is None]
+                   if n not in CONFIG_TENSORS and hf_tensor_name(n, family.stacked_checkpoint, family.gemma_layout) is None]
         if unknown:
             raise UnsupportedModelError(
                 f"{self.path}: unexpected tensors for a {gguf_arch} model (e.g. {unknown[0]}); "
@@ -281,6 +279,12 @@ class GGUFFile:
         scaling = None
         if key("rope.scaling.type") == "linear" and key("rope.scaling.factor"):
             scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
+        if LONGROPE_LONG in self.tensors and LONGROPE_SHORT in self.tensors:
+            context = int(key("context_length", 4096))
+            scaling = RopeScaling.longrope(
+                self.dequantize(LONGROPE_SHORT).flatten().tolist(), self.dequantize(LONGROPE_LONG).flatten().tolist(),
+                int(key("rope.scaling.original_context_length", context)), context,
+                attention_factor=key("rope.scaling.attn_factor"))
         freq_factors = None
         if ROPE_FREQS in self.tensors:
             freq_factors = tuple(float(x) for x in self.dequantize(ROPE_FREQS).flatten().tolist())

@@ -115,9 +115,15 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.rotary_dim)
     writer.add_vocab_size(config.vocab_size)
+    longrope = config.rope_scaling if config.rope_scaling is not None and config.rope_scaling.kind == "longrope" else None
     if arch == "phi3":  # llama.cpp's phi3 reader requires these (a sliding window of 0: none)
-        writer.add_rope_scaling_orig_ctx_len(config.max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(longrope.original_max_position_embeddings if longrope
+                                             else config.max_position_embeddings)
         writer.add_sliding_window(config.sliding_window or 0)
+    if longrope is not None:  # as llama.cpp's converter writes Phi-3 128K: the divisors as tensors
+        writer.add_rope_scaling_attn_factors(longrope.attention_factor)
+        writer.add_tensor("rope_factors_long.weight", np.asarray(longrope.long_factor, dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.asarray(longrope.short_factor, dtype=np.float32))
     if config.family.gemma_layout:
         _add_gemma_metadata(writer, config)
     if config.head_dim != config.hidden_size // config.n_heads:

@@ -40,10 +40,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (rotary_dim/2,) of the rotary embedding, with any scaling applied."""
+def rope_inverse_frequencies(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies (rotary_dim/2,) of the rotary embedding, with any scaling applied
+    (longrope: its short factors, or its long ones with ``long``)."""
     dim = config.rotary_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (R/2,)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.kind == "longrope":
+        divisors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+        return 1.0 / (divisors * config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     elif config.rope_scaling is not None:
@@ -78,6 +84,11 @@ class RotaryEmbedding(nn.Module):
     A model whose sliding-window layers rotate with their own base (Gemma 3's
     ``rope_local_base_freq``, unscaled) gets both tables side by side: table ``i`` of the
     (..., n_tables * rotary_dim) output is what :attr:`Attention.rope_table` ``i`` reads.
+
+    Longrope (Phi-3 128K) keeps a second set of frequencies (``long_inv_freq``): a row of
+    positions whose last one is past ``original_max_position_embeddings`` rotates with the long
+    set, else with the short one (transformers' rule, per forward; decided per row, so a batch
+    never changes a row's tables), and cos and sin are scaled by its ``attention_factor``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -88,13 +99,26 @@ class RotaryEmbedding(nn.Module):
                                         rope_freq_factors=None)
             inv_freqs.append(rope_inverse_frequencies(local))
         self.register_buffer("inv_freq", torch.stack(inv_freqs), persistent=False)  # (n_tables, R/2)
+        scaling = config.rope_scaling
+        self.longrope = scaling is not None and scaling.kind == "longrope"
+        self.original_positions = scaling.original_max_position_embeddings if self.longrope else 0
+        self.attention_factor = scaling.attention_factor if self.longrope else 1.0
+        long_inv_freq = rope_inverse_frequencies(config, long=True)[None] if self.longrope else self.inv_freq
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)  # (1, R/2) or inv_freq itself
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables for ``positions`` (B, T), each (B, 1, T, n_tables * rotary_dim) in ``dtype``."""
         n_tables, half = self.inv_freq.shape
-        freqs = positions.to(self.inv_freq.device, torch.float32)[..., None, None] * self.inv_freq  # (B, T, n, R/2)
+        positions = positions.to(self.inv_freq.device, torch.float32)
+        inv_freq = self.inv_freq  # (n, R/2)
+        if self.longrope:  # each row's last position picks its set, as a tensor op (no host sync)
+            longer = positions.amax(dim=-1) + 1 > self.original_positions  # (B,)
+            inv_freq = torch.where(longer[:, None, None, None], self.long_inv_freq, self.inv_freq)  # (B, 1, n, R/2)
+        freqs = positions[..., None, None] * inv_freq  # (B, T, n, R/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, n, R)
         emb = emb.reshape(*emb.shape[:2], n_tables * 2 * half).unsqueeze(1)  # (B, 1, T, n*R): broadcast over heads
+        if self.longrope:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

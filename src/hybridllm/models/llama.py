@@ -224,6 +224,13 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         return x
 
+    @property
+    def rope_switch_length(self) -> int | None:
+        """Longrope (Phi-3 128K): the sequence length past which every position rotates with the
+        long factors (None: the rotation never depends on the length). A forward that takes a
+        sequence's cached short-rotated keys past it must re-encode them (the request loop does)."""
+        return self.rotary.original_positions if self.rotary.longrope else None
+
     def rotary_tables(self, start_pos: int | torch.Tensor, seq: int, dtype: torch.dtype,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin (B or 1, 1, T, n_tables * rotary_dim) of positions ``start_pos..start_pos+seq-1``

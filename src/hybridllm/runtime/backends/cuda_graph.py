@@ -101,6 +101,9 @@ class CudaGraphBackend(EagerBackend):
         if layer_attention(model.config):  # its captured step attends plainly over a static row
             raise ConfigError("the cuda-graph decode backend has no sliding-window, scaled or soft-capped attention "
                               "(this model has them); choose --decode-backend eager or compiled")
+        if model.rotary.longrope:  # its rotary table is built once for every position of the pool
+            raise ConfigError("the cuda-graph decode backend has no longrope rotary tables (this model's); "
+                              "choose --decode-backend eager or compiled")
         self.device = model.lm_head.weight.device
         self.captures = self.device.type == "cuda"
         self.pool: StaticKVPool | None = None
