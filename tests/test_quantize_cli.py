@@ -141,6 +141,34 @@ def test_quantize_names_the_pre_tokenizer_and_llama_cpp_tokenizes_like_hf(tmp_pa
         assert theirs.tokenize(text.encode(), add_bos=True, special=False) == expected, text
 
 
+@pytest.mark.parametrize("style,space_prefix", [("spm", True), ("gemma", False)])
+def test_quantize_writes_sentencepiece_tokenizers_llama_cpp_reads(tmp_path, style, space_prefix):
+    """A SentencePiece-style byte-fallback BPE (Llama 2 / Mistral / Phi-3 with a "▁" prefix, Gemma
+    without): ``quantize`` writes it as llama.cpp's "llama" vocabulary with scores, byte tokens and
+    the space-prefix flag, and llama.cpp, our reader and Hugging Face give the same ids."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tiny_models import build_hf_model
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from hybridllm.loading.tokenizer import Tokenizer
+
+    folder = tmp_path / style
+    build_hf_model(folder, "llama", tokenizer_style=style)
+    out = tmp_path / f"{style}.gguf"
+    result = invoke("quantize", folder, out, "--type", "q8_0")
+    assert result.exit_code == 0, result.output
+    metadata = GGUFFile(out).metadata
+    assert metadata["tokenizer.ggml.model"] == "llama" and metadata["tokenizer.ggml.pre"] == "default"
+    assert bool(metadata["tokenizer.ggml.add_space_prefix"]) is space_prefix
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    ours = Tokenizer.from_gguf_metadata(metadata)
+    theirs = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
+    for text in READ_BACK_TEXTS + (" leading space", "def add(a, b):\n    return a + b\n"):
+        expected = hf.encode(text, add_special_tokens=True).ids
+        assert ours.encode(text, add_special_tokens=True) == expected, text
+        assert theirs.tokenize(text.encode(), add_bos=True, special=False) == expected, text
+
+
 def test_quantize_refuses_an_unknown_pre_tokenizer_in_one_line(tiny_models, tmp_path):
     result = invoke("quantize", tiny_models["llama"][0], tmp_path / "x.gguf", "--pre", "klingon")
     assert result.exit_code != 0

@@ -29,13 +29,56 @@ PRE_TOKENIZER_REGEX = {
 }
 
 
+def build_spm_tokenizer(folder: Path, vocab_size: int = 320, space_prefix: bool = True) -> int:
+    """A SentencePiece-style BPE ``tokenizer.json`` as transformers converts Llama 2 / Mistral /
+    Phi-3 (``space_prefix``: "▁" prepended to the text) or Gemma (no prefix) tokenizers: "▁" for
+    spaces, ``<0xNN>`` byte fallback, and every pair of pieces that joins into a piece as a merge,
+    ranked by the joined piece's score (SentencePiece's rule). Returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    specials = ["<unk>", "<s>", "</s>", *SPECIALS]
+    trainer_model = Tokenizer(models.BPE())
+    trainer_model.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always" if space_prefix else "never")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=specials, show_progress=False)
+    trainer_model.train_from_iterator(TRAIN_TEXT, trainer)
+    learned = sorted(trainer_model.get_vocab().items(), key=lambda item: item[1])  # creation order
+    pieces = [p for p, _ in learned if p not in specials]
+    vocab = {p: i for i, p in enumerate(specials[:3])}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in pieces:
+        vocab.setdefault(piece, len(vocab))
+    merges = sorted(((left, right, vocab[left + right]) for piece in vocab for left, right in
+                     ((piece[:cut], piece[cut:]) for cut in range(1, len(piece)))
+                     if left in vocab and right in vocab and left + right in vocab and not piece.startswith("<")),
+                    key=lambda m: m[2])
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges], unk_token="<unk>",
+                               fuse_unk=True, byte_fallback=True))
+    escape = normalizers.Replace(" ", "▁")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), escape]) if space_prefix else escape
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    tok.add_special_tokens(specials[1:3])
+    tok.add_special_tokens(SPECIALS)  # chat markers after the pieces, as fine-tunes add them
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", vocab["<s>"])])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tok.get_vocab_size()
+
+
 def build_tokenizer(folder: Path, vocab_size: int = 320, style: str = "gpt-2") -> int:
     """Train a byte-level BPE on a few sentences; save tokenizer files; return its vocab size.
 
     ``style``: "gpt-2" (GPT-2's pre-tokenizer, no BOS), "llama-bpe" (Llama 3: its split expression,
-    ``ignore_merges``, a ``<|begin_of_text|>`` BOS added by the post-processor) or "qwen2".
+    ``ignore_merges``, a ``<|begin_of_text|>`` BOS added by the post-processor), "qwen2", or the
+    SentencePiece styles "spm" (Llama 2, Mistral, Phi-3) and "gemma" (:func:`build_spm_tokenizer`).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if style in ("spm", "gemma"):
+        return build_spm_tokenizer(folder, vocab_size + 256, space_prefix=style == "spm")
 
     tok = Tokenizer(models.BPE(ignore_merges=style == "llama-bpe"))
     if style == "gpt-2":

@@ -1,4 +1,10 @@
-"""A Hugging Face byte-level BPE tokenizer as GGUF ``tokenizer.*`` metadata, by llama.cpp's rules.
+"""A Hugging Face BPE tokenizer as GGUF ``tokenizer.*`` metadata, by llama.cpp's rules.
+
+Two kinds, as llama.cpp's converter tells them apart: SentencePiece-style BPE (``byte_fallback``:
+Llama 2, Mistral, Phi-3, Gemma) is written as ``tokenizer.ggml.model = "llama"`` with
+``pre = "default"``, piece scores that reproduce the merge ranks (:func:`_spm_scores`), BYTE and
+UNKNOWN token types and ``add_space_prefix`` (:func:`_adds_space_prefix`); byte-level BPE as
+follows.
 
 llama.cpp's converter (``convert_hf_to_gguf.py``) writes, for a byte-level BPE tokenizer:
 
@@ -34,7 +40,8 @@ from hybridllm.loading.tokenizer import SUPPORTED_GGUF_PRE_TOKENIZERS, gguf_pre_
 __all__ = ["check_pre_tokenizer", "detect_pre_tokenizer", "tokenizer_metadata_from_hf"]
 
 # llama.cpp's token types (``tokenizer.ggml.token_type``)
-_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_SPM_SPACE = "\u2581"  # "▁"
 _SPECIAL_ROLES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 # The names llama.cpp's converter writes, tried first when several names share one rule.
 _PREFERRED_PRE = ("llama-bpe", "qwen2", "smollm", "gpt-2", "tekken", "gpt-4o", "deepseek-v3", "deepseek-coder",
@@ -128,11 +135,18 @@ def tokenizer_metadata_from_hf(
     data = json.loads((folder / "tokenizer.json").read_text())
     model = data["model"]
     if model.get("type") != "BPE":
-        raise ConfigError("only byte-level BPE tokenizers can be written to GGUF here")
-    pre = check_pre_tokenizer(pre) if pre is not None else detect_pre_tokenizer(data)
-    if pre is None:
-        raise ConfigError(f"{folder}: its pre-tokenizer matches none llama.cpp knows "
-                          f"({', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}); name one with --pre")
+        raise ConfigError(f"{folder}: a {model.get('type')} tokenizer cannot be written to GGUF here; supported: "
+                          "byte-level BPE and SentencePiece-style BPE (byte_fallback)")
+    spm = bool(model.get("byte_fallback"))
+    if spm:
+        if pre is not None and pre != "default":
+            raise ConfigError(f"--pre {pre}: a SentencePiece-style tokenizer has no pre-tokenizer (llama.cpp: default)")
+        pre = "default"
+    else:
+        pre = check_pre_tokenizer(pre) if pre is not None else detect_pre_tokenizer(data)
+        if pre is None:
+            raise ConfigError(f"{folder}: its pre-tokenizer matches none llama.cpp knows "
+                              f"({', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}); name one with --pre")
 
     def read_json(name: str) -> dict[str, Any]:
         path = folder / name
@@ -145,25 +159,31 @@ def tokenizer_metadata_from_hf(
         vocab[entry["content"]] = entry["id"]
     by_id = {index: token for token, index in vocab.items()}
     size = max(vocab_size or int(hf_config.get("vocab_size") or 0), max(by_id) + 1)
+    unk = model.get("unk_token")
     tokens, types = [], []
     for index in range(size):
-        if index not in by_id:
+        token = by_id.get(index)
+        if token is None:
             tokens.append(f"[PAD{index}]")
             types.append(_UNUSED)
-        elif index in added:
-            tokens.append(by_id[index])
+        elif index in added and token != unk:
+            tokens.append(token)
             types.append(_CONTROL if added[index].get("special") else _USER_DEFINED)
         else:
-            tokens.append(by_id[index])
-            types.append(_NORMAL)
+            tokens.append(token)
+            types.append(_token_type(token, unk) if spm else _NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     meta: dict[str, object] = {
-        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.model": "llama" if spm else "gpt2",
         "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.merges": merges,
     }
+    if spm:
+        meta["tokenizer.ggml.scores"] = _spm_scores(tokens, types, merges)
+        meta["tokenizer.ggml.add_space_prefix"] = _adds_space_prefix(data)
+    else:
+        meta["tokenizer.ggml.merges"] = merges
     for role in _SPECIAL_ROLES:
         token = _token_text(tok_config.get(f"{role}_token"))
         token_id = vocab.get(token) if token is not None else hf_config.get(f"{role}_token_id")
@@ -183,3 +203,52 @@ def tokenizer_metadata_from_hf(
     if isinstance(template, str) and template:
         meta["tokenizer.chat_template"] = template
     return meta
+
+
+# ---- SentencePiece-style BPE ----------------------------------------------------------------
+def _token_type(token: str, unk: str | None) -> int:
+    """llama.cpp's type of a vocabulary piece of a SentencePiece-style tokenizer."""
+    if token == unk:
+        return _UNKNOWN
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return _BYTE
+    return _NORMAL
+
+
+def _spm_scores(tokens: list[str], types: list[int], merges: list[str]) -> list[float]:
+    """SentencePiece scores that make llama.cpp's "join the adjacent pair whose joined piece scores
+    best" rule pick the merges ``tokenizer.json`` ranks first: a piece's score is minus the rank
+    of the first merge that makes it. Pieces no merge makes (single characters, bytes, specials)
+    score 0, and no pair joins into them; ordinary pieces of several characters that no merge
+    makes rank after every merge (transformers never builds them from parts either)."""
+    first_rank: dict[str, int] = {}
+    for rank, merge in enumerate(merges):
+        left, _, right = merge.partition(" ")
+        first_rank.setdefault(left + right, rank)
+    scores = []
+    for index, (token, kind) in enumerate(zip(tokens, types)):
+        if token in first_rank:
+            scores.append(-float(first_rank[token] + 1))
+        elif kind == _NORMAL and len(token) > 1:
+            scores.append(-float(len(merges) + 1 + index))
+        else:
+            scores.append(0.0)
+    return scores
+
+
+def _adds_space_prefix(data: Mapping[str, Any]) -> bool:
+    """Whether the tokenizer puts "▁" before the text (Llama 2, Mistral, Phi-3; not Gemma): a
+    ``Prepend("▁")`` normalizer or a ``Metaspace`` pre-tokenizer that prepends."""
+    def steps(step: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+        if not step:
+            return []
+        nested = step.get("normalizers") or step.get("pretokenizers")
+        return [s for inner in nested for s in steps(inner)] if nested else [step]
+
+    for step in steps(data.get("normalizer")):
+        if step.get("type") == "Prepend" and step.get("prepend") == _SPM_SPACE:
+            return True
+    for step in steps(data.get("pre_tokenizer")):
+        if step.get("type") == "Metaspace":
+            return step.get("prepend_scheme", "always") != "never" and step.get("add_prefix_space", True)
+    return False
