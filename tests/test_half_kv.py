@@ -107,5 +107,5 @@ def test_kv_dtype_selects_the_stored_dtype_end_to_end(tiny_models):
     assert half.generate("The sky is", params).token_ids == full.generate("The sky is", params).token_ids
     with pytest.raises(ConfigError, match="kv_dtype"):
         KVConfig(kv_dtype="int3")
-    with pytest.raises(ConfigError, match="dynamic KV cache only"):
+    with pytest.raises(ConfigError, match="dynamic and quantized KV caches only"):
         KVConfig(kv_cache="tiered", kv_dtype="float16")

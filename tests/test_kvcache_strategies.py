@@ -161,6 +161,23 @@ def test_quantized_bytes_shrink_and_residual_stays_full_precision():
     assert (outs["int8"] - outs["dense"]).norm() < (outs["int4"] - outs["dense"]).norm()
 
 
+def test_quantized_residual_in_float16_halves_its_bytes_and_stays_close():
+    """``--kv-dtype float16`` with the quantized cache: the residual is stored in float16 (half
+    its float32 bytes, by the ledger) and attention reads it back in the compute dtype."""
+    caches = {"full": QuantizedCache(SPEC, bits=8, group_size=16, residual=32),
+              "half": QuantizedCache(SPEC, bits=8, group_size=16, residual=32, residual_dtype=torch.float16)}
+    gen = torch.Generator().manual_seed(7)
+    step(caches, 40, gen)
+    outs = step(caches, 1, gen)  # attends over the stored residual
+    recent_full, recent_half = caches["full"]._recent[0], caches["half"]._recent[0]
+    assert recent_half.storage_dtype == torch.float16 and recent_half.length == recent_full.length > 0
+    assert 2 * recent_half.buffer.nbytes() == recent_full.buffer.nbytes()
+    check_ledger(caches["half"])
+    assert outs["half"].dtype == torch.float32
+    torch.testing.assert_close(outs["half"], outs["full"], atol=5e-3, rtol=0)
+    assert not torch.equal(outs["half"], outs["full"])  # the residual really was rounded
+
+
 def test_quantized_residual_zero_quantizes_every_complete_group():
     cache = QuantizedCache(SPEC, bits=4, group_size=16, residual=0)
     step({"q": cache}, 40, torch.Generator().manual_seed(3))

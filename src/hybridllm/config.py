@@ -528,7 +528,7 @@ class KVConfig:
     vram_budget: int | str | None = None
     kv_threshold: float = 0.95
     kv_adaptive: bool = True  # re-plan (shrink the hot window, decode on the host) instead of failing
-    kv_dtype: str = "auto"  # dynamic: the dtype tokens are stored in ("auto": the compute dtype; float32; float16)
+    kv_dtype: str = "auto"  # dynamic: the dtype tokens are stored in; quantized: its residual's ("auto": the compute dtype)
 
     def __post_init__(self) -> None:
         if self.kv_cache not in KV_STRATEGIES:
@@ -550,5 +550,6 @@ class KVConfig:
             raise ConfigError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")
         if self.kv_dtype not in ("auto", "float32", "float16"):
             raise ConfigError(f"kv_dtype must be auto, float32 or float16, got {self.kv_dtype!r}")
-        if self.kv_dtype != "auto" and self.kv_cache != "dynamic":
-            raise ConfigError(f"--kv-dtype {self.kv_dtype} applies to the dynamic KV cache only, not {self.kv_cache}")
+        if self.kv_dtype != "auto" and self.kv_cache not in ("dynamic", "quantized"):
+            raise ConfigError(f"--kv-dtype {self.kv_dtype} applies to the dynamic and quantized KV caches only, "
+                              f"not {self.kv_cache}")

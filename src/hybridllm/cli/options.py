@@ -42,10 +42,11 @@ KVCache = Annotated[str, typer.Option("--kv-cache", help="KV strategy: dynamic, 
 KVPageSize = Annotated[int, typer.Option("--kv-page-size", help="Tokens per KV page.", rich_help_panel=KV_PANEL)]
 KVHotWindow = Annotated[int, typer.Option("--kv-hot-window", help="tiered: newest tokens kept on the device.", rich_help_panel=KV_PANEL)]
 KVSinkTokens = Annotated[int, typer.Option("--kv-sink-tokens", help="tiered: first tokens kept on the device (attention sinks).", rich_help_panel=KV_PANEL)]
-KVDtype = Annotated[str, typer.Option("--kv-dtype", help="dynamic: dtype the KV is stored in: auto (the compute dtype), float32, or float16 (half the bytes; native decode reads it directly, float32 accumulate).", rich_help_panel=KV_PANEL)]
+KVDtype = Annotated[str, typer.Option("--kv-dtype", help="dynamic: dtype the KV is stored in; quantized: dtype of its full-precision residual: auto (the compute dtype), float32, or float16 (half the bytes; native decode reads it directly, float32 accumulate).", rich_help_panel=KV_PANEL)]
 KVColdBits = Annotated[int, typer.Option("--kv-cold-bits", help="tiered: bits of cold pages in host RAM: 16, 8 or 4.", rich_help_panel=KV_PANEL)]
 KVBits = Annotated[int, typer.Option("--kv-bits", help="quantized: 8 or 4.", rich_help_panel=KV_PANEL)]
-KVResidual = Annotated[int, typer.Option("--kv-residual", help="quantized: newest tokens kept in full precision.", rich_help_panel=KV_PANEL)]
+KVResidual = Annotated[int, typer.Option("--kv-residual", help="quantized: newest tokens kept in full precision (--kv-dtype).", rich_help_panel=KV_PANEL)]
+KVGroupSize = Annotated[int, typer.Option("--kv-group-size", help="quantized, and tiered cold pages: tokens per key scale, channels per value scale (64: 8.5 / 4.5 bits per value at 8 / 4 bits).", rich_help_panel=KV_PANEL)]
 KVOffloadPercent = Annotated[Optional[float], typer.Option("--kv-offload-percent", help="tiered: percent of cached tokens kept on the host instead of a window.", rich_help_panel=KV_PANEL)]
 VramBudget = Annotated[Optional[str], typer.Option("--vram-budget", help="Device memory budget, e.g. 8GiB (weights + KV).", rich_help_panel=KV_PANEL)]
 KVAdaptive = Annotated[bool, typer.Option("--kv-adaptive/--no-kv-adaptive", help="When device KV fills up mid-request, shrink the hot window or move decoding to the host instead of failing.", rich_help_panel=KV_PANEL)]
@@ -94,6 +95,7 @@ class KVOptions:
     kv_cold_bits: KVColdBits = 16
     kv_bits: KVBits = 8
     kv_residual: KVResidual = 128
+    kv_group_size: KVGroupSize = 64
     kv_offload_percent: KVOffloadPercent = None
     vram_budget: VramBudget = None
     kv_adaptive: KVAdaptive = True

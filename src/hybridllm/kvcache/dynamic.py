@@ -8,15 +8,12 @@ layer's tokens are a :class:`~hybridllm.kvcache.storage.DenseKV`, the one store 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from hybridllm.config import KVConfig
 from hybridllm.kvcache.attention import AttentionOptions, causal_attention
 from hybridllm.kvcache.base import InPlaceSlot, KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.storage import DenseKV
-from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes
+from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes, stored_dtype, stored_spec
 
 DEFAULT_PAGE_SIZE = 128
 
@@ -113,16 +110,6 @@ class DynamicCache(KVCache):
                 store.release()
             elif store.length > length:
                 store.truncate(length)  # the buffers stay; later tokens overwrite the rows
-
-
-def stored_dtype(config: KVConfig, spec: KVSpec) -> torch.dtype:
-    """The dtype a dynamic cache stores its tokens in (``--kv-dtype``; "auto": the compute dtype)."""
-    return spec.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
-
-
-def stored_spec(config: KVConfig, spec: KVSpec) -> KVSpec:
-    """``spec`` with the stored dtype (what a token's bytes are counted in)."""
-    return dataclasses.replace(spec, dtype=stored_dtype(config, spec))
 
 
 def dense_cost(tier: str, spec: KVSpec, n_tokens: int) -> KVCost:

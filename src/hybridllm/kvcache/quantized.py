@@ -19,7 +19,8 @@ from hybridllm.config import KVConfig
 from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.storage import DenseKV, QuantizedKV
-from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes
+from hybridllm.kvcache.strategy import (KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes,
+                                        stored_dtype, stored_spec)
 
 DEFAULT_CHUNK_TOKENS = 1024  # packed tokens per attention chunk: its float scratch stays in cache
 
@@ -33,13 +34,16 @@ class QuantizedCache(KVCache):
         bits: 8 or 4.
         group_size: tokens per key group and channels per value group.
         residual: newest tokens kept in full precision (0: quantize all complete groups).
+        residual_dtype: the dtype the residual is stored in (default: the compute dtype; float16
+            under float32 compute halves its bytes; attention reads it in the compute dtype).
         chunk_tokens: packed tokens per attention chunk (rounded down to whole groups).
     """
 
     name = "quantized"
 
     def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, bits: int = 8, group_size: int = 64,
-                 residual: int = 128, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+                 residual: int = 128, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 residual_dtype: torch.dtype | None = None) -> None:
         super().__init__(spec, ledger)
         if group_size < 1 or residual < 0:
             raise ValueError(f"group_size must be >= 1 and residual >= 0, got {group_size}, {residual}")
@@ -48,7 +52,8 @@ class QuantizedCache(KVCache):
         self._residual_capacity = residual + group_size - 1  # the most full-precision tokens ever held
         self._packed = [QuantizedKV(self.ledger, "device", spec.device, spec, bits, group_size)
                         for _ in range(spec.n_layers)]
-        self._recent = [DenseKV(self.ledger, "device", spec.device, spec) for _ in range(spec.n_layers)]
+        self._recent = [DenseKV(self.ledger, "device", spec.device, spec, storage_dtype=residual_dtype)
+                        for _ in range(spec.n_layers)]
 
     def reserve(self, n_tokens: int) -> None:
         n_tokens = min(n_tokens, self.spec.max_tokens)
@@ -140,13 +145,13 @@ def _quantized_token_bytes(config: KVConfig, spec: KVSpec) -> dict[str, float]:
 
 
 def _quantized_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: float) -> KVCost:
-    """The newest ``kv_residual`` tokens in the compute dtype, the rest packed; the packed part is
+    """The newest ``kv_residual`` tokens in ``--kv-dtype``, the rest packed; the packed part is
     counted as read through a compute-dtype copy of one layer at a time (the scratch)."""
-    full = dense_token_bytes(spec)
+    full, kept = dense_token_bytes(spec), dense_token_bytes(stored_spec(config, spec))
     packed = quantized_token_bytes(spec, config.kv_bits, config.kv_group_size)
     residual = min(n_tokens, config.kv_residual)
-    layer = residual * full + (n_tokens - residual) * packed
-    layer_read = residual * full + read_bytes(n_tokens - residual, packed, full)
+    layer = residual * kept + (n_tokens - residual) * packed
+    layer_read = residual * kept + read_bytes(n_tokens - residual, packed, full)
     return KVCost(memory={"device": spec.n_layers * layer}, read={"device": spec.n_layers * layer_read},
                   scratch={"device": n_tokens * full if spec.n_layers else 0})
 
@@ -155,7 +160,8 @@ STRATEGY = KVStrategy(
     name="quantized",
     tiers=("device",),
     build=lambda config, spec, ledger: QuantizedCache(spec, ledger, bits=config.kv_bits,
-                                                      group_size=config.kv_group_size, residual=config.kv_residual),
+                                                      group_size=config.kv_group_size, residual=config.kv_residual,
+                                                      residual_dtype=stored_dtype(config, spec)),
     token_bytes=_quantized_token_bytes,
     cost=_quantized_cost,
     describe=lambda config: f"quantized int{config.kv_bits} KV",

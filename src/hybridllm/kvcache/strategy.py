@@ -11,8 +11,11 @@ rounding and doubling growth (a cache reserved for whole pages holds exactly tha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from hybridllm.config import KVConfig
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
@@ -99,3 +102,14 @@ def read_bytes(tokens: float, stored: float, compute: float) -> float:
     """Bytes to attend over ``tokens`` stored at ``stored`` bytes each: a format other than the
     compute dtype is counted as materialised into a compute-dtype copy (read, write, read back)."""
     return tokens * stored if stored == compute else tokens * (stored + 2 * compute)
+
+
+def stored_dtype(config: KVConfig, spec: KVSpec) -> torch.dtype:
+    """The dtype full-precision tokens are stored in (``--kv-dtype``: a dynamic cache's tokens, a
+    quantized cache's residual; "auto": the compute dtype)."""
+    return spec.dtype if config.kv_dtype == "auto" else getattr(torch, config.kv_dtype)
+
+
+def stored_spec(config: KVConfig, spec: KVSpec) -> KVSpec:
+    """``spec`` with the stored dtype (what a token's bytes are counted in)."""
+    return dataclasses.replace(spec, dtype=stored_dtype(config, spec))
