@@ -25,7 +25,7 @@ from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
 
-from tiny_models import GEMMA_WINDOW, build_hf_model, save_as_gguf
+from tiny_models import GEMMA_WINDOW, build_hf_model, hf_greedy_ids, save_as_gguf
 
 CPU = torch.device("cpu")
 GEMMAS = ("gemma2", "gemma3")
@@ -144,9 +144,7 @@ def test_strategies_without_windows_refuse_in_one_line(tiny_models, strategy):
 def test_host_strategy_and_eager_backend_keep_parity(tiny_models):
     folder, _, hf_model = tiny_models["gemma2"]
     prompt = list(range(5, 5 + 2 * GEMMA_WINDOW))
-    with torch.inference_mode():
-        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+    ref = hf_greedy_ids(hf_model, prompt, 12)
     for options in ({"kv_cache": "host"}, {"decode_backend": "eager"}):
         llm = LLM(model=folder, prefill_chunk=5, **options)
         out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
@@ -176,9 +174,7 @@ def test_llama_cpp_reads_our_gemma_gguf(tmp_path, arch):
     hf_model = build_hf_model(tmp_path / arch, arch, query_pre_attn_scalar=16, rope_local_base_freq=10000.0)
     gguf_path = save_as_gguf(tmp_path / arch, tmp_path / f"{arch}.gguf")
     prompt = list(range(5, 5 + 2 * GEMMA_WINDOW))
-    with torch.inference_mode():
-        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+    ref = hf_greedy_ids(hf_model, prompt, 8)
     peer = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=64, n_threads=1, verbose=False)
     out = []
     for token in peer.generate(prompt, temp=0.0, top_k=1, reset=True):

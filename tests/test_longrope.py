@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import hf_greedy_ids
 
 ORIGINAL = 16  # the tiny model's original window: prompts cross it
 
@@ -64,9 +65,7 @@ def test_greedy_decode_across_the_original_window_matches_transformers(longrope,
     prompt = list(range(5, 15))
     llm = LLM(folder, weights="float", decode_backend=backend)
     out = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    with torch.inference_mode():
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    expected = hf_greedy_ids(hf_model, prompt, 20)
     assert out.token_ids == expected
 
 
@@ -79,9 +78,7 @@ def test_chunked_prefill_across_the_original_window_matches_transformers(longrop
     prompt = list(range(5, 5 + 2 * ORIGINAL - 3))
     out = LLM(folder, weights="float", prefill_chunk=8).generate(
         prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    with torch.inference_mode():
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    expected = hf_greedy_ids(hf_model, prompt, 8)
     assert out.token_ids == expected
 
 

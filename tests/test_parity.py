@@ -14,6 +14,7 @@ from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
 
 from conftest import ALL_ARCHS
+from tiny_models import hf_greedy_ids
 
 FORMATS = ("safetensors", "gguf")
 
@@ -51,9 +52,7 @@ def test_greedy_continuation_matches_transformers(tiny_models, arch, fmt):
     _, _, hf_model = tiny_models[arch]
     llm = LLM(model=_path(tiny_models, arch, fmt), prefill_chunk=5)
     prompt = llm.tokenizer.encode("The quick brown fox", add_special_tokens=False)
-    with torch.inference_mode():
-        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                pad_token_id=0)[0, len(prompt):].tolist()
+    ref = hf_greedy_ids(hf_model, prompt, 32)
     out = llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert out.token_ids == ref
     assert len(out.token_ids) == 32

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import hf_greedy_ids
 
 from hybridllm.errors import ConfigError
 
@@ -57,9 +58,7 @@ def test_greedy_decode_matches_transformers(windowed, backend):
     if backend == "native":  # every layer's step runs in the kernels, windowed attention included
         assert report.kernel_layers == llm.config.n_layers
     out = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    with torch.inference_mode():
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    expected = hf_greedy_ids(hf_model, prompt, 16)
     assert out.token_ids == expected
 
 

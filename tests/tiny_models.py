@@ -183,6 +183,15 @@ def build_hf_model(folder: Path, arch: str = "llama", seed: int = 0, tokenizer_s
     return model
 
 
+def hf_greedy_ids(hf_model, prompt: list[int], n_new: int) -> list[int]:
+    """The ``n_new`` token ids transformers' greedy ``generate`` adds to ``prompt`` (EOS ignored,
+    as ``SamplingParams(ignore_eos=True)``)."""
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def save_as_gguf(hf_folder: Path, out_path: Path, weight_type: str = "F32") -> Path:
     """Write the HF folder's model as a GGUF file, as llama.cpp's converter would."""
     from hybridllm.loading.gguf_vocab import tokenizer_metadata_from_hf
