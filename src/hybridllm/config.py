@@ -179,9 +179,8 @@ class ModelConfig:
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ConfigError(f"model config: partial_rotary_factor {self.partial_rotary_factor} gives "
                               f"{self.rotary_dim} rotated dimensions of {self.head_dim}; they must be even and > 0")
-        scaling = self.rope_scaling
-        if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) * 2 != self.rotary_dim:
-            raise ConfigError(f"model config: longrope has {len(scaling.short_factor)} factors for "
+        if self.longrope is not None and len(self.longrope.short_factor) * 2 != self.rotary_dim:
+            raise ConfigError(f"model config: longrope has {len(self.longrope.short_factor)} factors for "
                               f"{self.rotary_dim // 2} rotary frequencies")
         if self.sliding_layers and (len(self.sliding_layers) != self.n_layers or not self.sliding_window):
             raise ConfigError(f"model config: {len(self.sliding_layers)} layer types for {self.n_layers} layers "
@@ -206,6 +205,12 @@ class ModelConfig:
     def family(self) -> ArchFamily:
         """What the architecture family has beyond the plain Llama decoder."""
         return ARCHITECTURES[self.arch]
+
+    @property
+    def longrope(self) -> RopeScaling | None:
+        """The rope scaling when it is Phi-3's longrope (two factor sets chosen by length), else None."""
+        scaling = self.rope_scaling
+        return scaling if scaling is not None and scaling.kind == "longrope" else None
 
     @property
     def rotary_dim(self) -> int:

@@ -61,9 +61,14 @@ class AttentionOptions:
     window: int | None = None
 
     @property
+    def plain_scores(self) -> bool:
+        """Whether the scores are the defaults (no scale, no soft-cap); a window may still apply."""
+        return self.scale is None and self.softcap is None
+
+    @property
     def plain(self) -> bool:
         """Whether these are the defaults (every strategy's own path applies)."""
-        return self.scale is None and self.softcap is None and self.window is None
+        return self.plain_scores and self.window is None
 
 
 PLAIN = AttentionOptions()

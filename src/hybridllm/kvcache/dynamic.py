@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridllm.kvcache.attention import AttentionOptions, causal_attention
+from hybridllm.kvcache.attention import causal_attention
 from hybridllm.kvcache.base import InPlaceSlot, KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.storage import DenseKV
 from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes, stored_dtype, stored_spec
@@ -83,7 +83,7 @@ class DynamicCache(KVCache):
         spec = self.spec
         return (self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
                 and self.kv_dtype in (torch.float32, torch.float16)  # what the native kernels read
-                and _windowed_only(spec.layer_options(layer_idx)))  # the native kernel: plain or windowed
+                and spec.layer_options(layer_idx).plain_scores)  # the native kernel: plain or windowed
 
     def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
         store = self._stores[layer_idx]
@@ -128,8 +128,3 @@ STRATEGY = KVStrategy(
     describe=lambda config: "dynamic KV",
     attention_options=True,
 )
-
-
-def _windowed_only(options: AttentionOptions) -> bool:
-    """Whether a layer attends plainly but for a sliding window (what the native kernels run)."""
-    return options.scale is None and options.softcap is None

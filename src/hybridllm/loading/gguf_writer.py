@@ -16,7 +16,7 @@ import torch
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
 from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, permute_rows
-from hybridllm.loading.gguf import QUERY_PRE_ATTN_SCALAR
+from hybridllm.loading.gguf import LONGROPE_LONG, LONGROPE_SHORT, QUERY_PRE_ATTN_SCALAR, ROPE_FREQS
 from hybridllm.models.layers import rope_inverse_frequencies
 
 # Hugging Face parameter suffix -> GGUF tensor suffix (inverse of gguf.py's tables)
@@ -115,15 +115,15 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.rotary_dim)
     writer.add_vocab_size(config.vocab_size)
-    longrope = config.rope_scaling if config.rope_scaling is not None and config.rope_scaling.kind == "longrope" else None
+    longrope = config.longrope
     if arch == "phi3":  # llama.cpp's phi3 reader requires these (a sliding window of 0: none)
         writer.add_rope_scaling_orig_ctx_len(longrope.original_max_position_embeddings if longrope
                                              else config.max_position_embeddings)
         writer.add_sliding_window(config.sliding_window or 0)
     if longrope is not None:  # as llama.cpp's converter writes Phi-3 128K: the divisors as tensors
         writer.add_rope_scaling_attn_factors(longrope.attention_factor)
-        writer.add_tensor("rope_factors_long.weight", np.asarray(longrope.long_factor, dtype=np.float32))
-        writer.add_tensor("rope_factors_short.weight", np.asarray(longrope.short_factor, dtype=np.float32))
+        writer.add_tensor(LONGROPE_LONG, np.asarray(longrope.long_factor, dtype=np.float32))
+        writer.add_tensor(LONGROPE_SHORT, np.asarray(longrope.short_factor, dtype=np.float32))
     if config.family.gemma_layout:
         _add_gemma_metadata(writer, config)
     if config.head_dim != config.hidden_size // config.n_heads:
@@ -136,7 +136,7 @@ def write_gguf(
         # llama.cpp stores llama3 scaling as per-dimension divisors of the base frequencies
         scaled = rope_inverse_frequencies(config)
         base = rope_inverse_frequencies(dataclasses.replace(config, rope_scaling=None))
-        writer.add_tensor("rope_freqs.weight", (base / scaled).numpy().astype(np.float32))
+        writer.add_tensor(ROPE_FREQS, (base / scaled).numpy().astype(np.float32))
     for key, value in (tokenizer_metadata or {}).items():
         _add_metadata(writer, key, value)
     for hf_name, tensor in tensors.items():

@@ -45,9 +45,9 @@ def rope_inverse_frequencies(config: ModelConfig, long: bool = False) -> torch.T
     (longrope: its short factors, or its long ones with ``long``)."""
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # (R/2,)
-    scaling = config.rope_scaling
-    if scaling is not None and scaling.kind == "longrope":
-        divisors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
+    longrope = config.longrope
+    if longrope is not None:
+        divisors = torch.tensor(longrope.long_factor if long else longrope.short_factor, dtype=torch.float32)
         return 1.0 / (divisors * config.rope_theta ** exponents)
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_freq_factors is not None:
@@ -99,10 +99,10 @@ class RotaryEmbedding(nn.Module):
                                         rope_freq_factors=None)
             inv_freqs.append(rope_inverse_frequencies(local))
         self.register_buffer("inv_freq", torch.stack(inv_freqs), persistent=False)  # (n_tables, R/2)
-        scaling = config.rope_scaling
-        self.longrope = scaling is not None and scaling.kind == "longrope"
-        self.original_positions = scaling.original_max_position_embeddings if self.longrope else 0
-        self.attention_factor = scaling.attention_factor if self.longrope else 1.0
+        longrope = config.longrope
+        self.longrope = longrope is not None
+        self.original_positions = longrope.original_max_position_embeddings if self.longrope else 0
+        self.attention_factor = longrope.attention_factor if self.longrope else 1.0
         long_inv_freq = rope_inverse_frequencies(config, long=True)[None] if self.longrope else self.inv_freq
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)  # (1, R/2) or inv_freq itself
 
