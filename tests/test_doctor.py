@@ -180,6 +180,9 @@ def test_cli_doctor_json_schema():
     if not torch.cuda.is_available():
         assert profile["gpu"] is None and any("no GPU" in n for n in profile["notes"])
     assert {c["name"] for c in report["checks"]} == CHECK_NAMES
+    kernels = report["kernels"]
+    assert kernels["march"] == "native" and (kernels["isa"] in {"avx512-vnni", "avx2-vnni", "avx2", "portable"}
+                                             or kernels["error"])
     for check in report["checks"]:
         assert set(check) == {"name", "status", "value", "recommendation"}
         assert check["status"] in STATUSES and check["recommendation"]

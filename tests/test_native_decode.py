@@ -10,6 +10,7 @@ the engine runs its PyTorch steps.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,16 @@ def portable_library():
     return build.build_library(("-mno-avx2", "-mno-fma")).library
 
 
+@pytest.fixture(scope="module")
+def avx2_library():
+    """The kernels built for x86-64-v3 (AVX2 + FMA, no AVX-512, no VNNI): the path of most laptops,
+    also on an AVX-512 machine (a later -march overrides -march=native)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or " avx2" not in cpuinfo.read_text(errors="replace"):
+        pytest.skip("needs an x86 CPU with AVX2")
+    return native._declare(build.build_library(("-march=x86-64-v3",)).library)
+
+
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -67,7 +78,7 @@ def _reference(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out if getattr(module, "bias", None) is None else out + module.bias
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("kind, n, k", [
     ("float", 98, 100),  # rows beyond the 4-row blocks, inputs beyond the 16-wide vectors
     ("float_bias", 64, 576),
@@ -76,8 +87,9 @@ def _reference(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     ("int8", 98, 128),
     ("int8_groups", 98, 576),  # the Q8_0 head/embedding table
 ])
-def test_linear_kernel_matches_the_dequantized_product(kind, n, k, portable, request):
-    library = request.getfixturevalue("portable_library") if portable else None
+def test_linear_kernel_matches_the_dequantized_product(kind, n, k, isa, request):
+    portable = isa == "portable"
+    library = None if isa == "native" else request.getfixturevalue(f"{isa}_library")
     module = _module(kind, n, k)
     x = torch.randn(3, k, generator=_gen(7))
     out = native.linear(native.linear_view(module), x, library=library)
@@ -103,7 +115,7 @@ def test_int4_blocks_pad_rows_beyond_a_block():
     torch.testing.assert_close(native.linear(view, x), expected, atol=5e-4 * expected.abs().max().item(), rtol=1e-3)
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, total", [
     (9, 3, 64, 1),      # the first token
     (9, 3, 64, 1000),   # many chunks per KV head
@@ -111,9 +123,10 @@ def test_int4_blocks_pad_rows_beyond_a_block():
     (14, 2, 64, 300),   # 7 queries per KV head (Qwen2-0.5B)
     (16, 1, 128, 200),  # 16 queries per KV head: the generic score loop
     (4, 2, 40, 50),     # a head size that is not a multiple of 16
+    (4, 2, 20, 50),     # nor of 8: the generic score loop
 ])
-def test_attention_kernel_matches_causal_attention(n_heads, n_kv_heads, head_dim, total, portable, request):
-    library = request.getfixturevalue("portable_library") if portable else None
+def test_attention_kernel_matches_causal_attention(n_heads, n_kv_heads, head_dim, total, isa, request):
+    library = None if isa == "native" else request.getfixturevalue(f"{isa}_library")
     gen = _gen(total + head_dim)
     capacity = total + 17  # rows beyond `total` must be ignored
     q = torch.randn(n_heads, head_dim, generator=gen)
@@ -380,6 +393,20 @@ def test_in_place_slots_only_where_a_kernel_can_write_the_buffer():
         BatchedCaches([one, two]).in_place_slot(0, 1)
     assert not DynamicCache(KVSpec(2, 2, 16, torch.bfloat16, CPU)).supports_in_place(0)  # the kernels read float32
     assert not DynamicCache(KVSpec(2, 2, 16, torch.float32, CPU, batch_size=2)).supports_in_place(0)
+
+
+def test_kernel_isa_names_the_build_and_the_march_variable_picks_it(avx2_library, monkeypatch):
+    assert native._declare(avx2_library).hl_kernel_isa().decode() == "avx2"
+    assert native.kernel_isa() in {"avx512-vnni", "avx2-vnni", "avx2"}  # -march=native on an AVX2 machine
+    monkeypatch.setenv(build.MARCH_ENV, "x86-64-v3")
+    assert "-march=x86-64-v3" in build.default_flags() and "-march=native" not in build.default_flags()
+    monkeypatch.setenv(build.MARCH_ENV, "x86-64-v3; rm -rf /")
+    with pytest.raises(build.KernelBuildError, match="is not an architecture name"):
+        build.default_flags()
+    monkeypatch.setenv(build.MARCH_ENV, "no-such-cpu")
+    with pytest.raises(build.KernelBuildError) as error:
+        build.build_library()
+    assert "compiling decode.cpp failed" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_an_unwritable_kernel_cache_is_one_line(tmp_path, monkeypatch):

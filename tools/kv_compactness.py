@@ -1,6 +1,6 @@
 """Quantized KV: bytes against error, for choosing the format (issue 19).
 
-For each (bits, group, residual, residual dtype) it prints the KV bytes of a ``context``-token
+For each (bits, key scales, group, residual, residual dtype) it prints the KV bytes of a ``context``-token
 sequence of the default model, as counted by the cache's own ledger, against the same tokens
 in float16 (``--kv-cache dynamic --kv-dtype float16``: what llama.cpp's f16 cache holds), and
 the perplexity delta and KL of ``hybridllm eval perplexity`` with that cache (windows of
@@ -58,27 +58,28 @@ def main() -> None:
     parser.add_argument("--groups", default="32,64,128")
     parser.add_argument("--residuals", default="0,128")
     parser.add_argument("--residual-dtypes", default="float16")
+    parser.add_argument("--key-quant", default="per-token,per-channel", help="key scales: per-token and/or per-channel")
     parser.add_argument("--no-perplexity", action="store_true", help="bytes only")
     args = parser.parse_args()
     llm = LLM()
     fp16 = ledger_bytes(llm, KVConfig(kv_dtype="float16"), args.context)
     print(f"float16 KV of {args.context} tokens: {fp16:,} bytes")
-    print("| bits | group | residual | residual dtype | bytes vs float16 | perplexity delta | KL (nats/token) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    grid = itertools.product(args.bits.split(","), args.groups.split(","), args.residuals.split(","),
-                             args.residual_dtypes.split(","))
-    for bits, group, residual, residual_dtype in grid:
+    print("| bits | keys | group | residual | residual dtype | bytes vs float16 | perplexity delta | KL (nats/token) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    grid = itertools.product(args.bits.split(","), args.key_quant.split(","), args.groups.split(","),
+                             args.residuals.split(","), args.residual_dtypes.split(","))
+    for bits, key_quant, group, residual, residual_dtype in grid:
         if residual == "0" and residual_dtype != args.residual_dtypes.split(",")[0]:
             continue  # no residual: its dtype does not matter
         config = KVConfig(kv_cache="quantized", kv_bits=int(bits), kv_group_size=int(group),
-                          kv_residual=int(residual), kv_dtype=residual_dtype)
+                          kv_residual=int(residual), kv_dtype=residual_dtype, kv_key_quant=key_quant)
         ratio = fp16 / ledger_bytes(llm, config, args.context)
         quality = "" if args.no_perplexity else perplexity(args, [
             "--kv-cache", "quantized", "--kv-bits", bits, "--kv-group-size", group, "--kv-residual", residual,
-            "--kv-dtype", residual_dtype])
+            "--kv-dtype", residual_dtype, "--kv-key-quant", key_quant])
         delta = f"{quality['delta_percent']:+.3f} %" if quality else "-"
         kl = f"{quality['kl_divergence']:.5f}" if quality else "-"
-        print(f"| int{bits} | {group} | {residual} | {residual_dtype if residual != '0' else '-'} | "
+        print(f"| int{bits} | {key_quant} | {group} | {residual} | {residual_dtype if residual != '0' else '-'} | "
               f"{ratio:.2f}x | {delta} | {kl} |", flush=True)
 
 

@@ -517,6 +517,9 @@ class PrefixCacheConfig:
                    vram=parse_bytes(vram) or 0)
 
 
+KV_KEY_QUANT = ("per-token", "per-channel")
+
+
 @dataclass
 class KVConfig:
     """The KV cache policy: strategy and its sizes. Field names equal the CLI flags (snake case)."""
@@ -528,7 +531,8 @@ class KVConfig:
     kv_cold_bits: int = 16
     kv_bits: int = 8
     kv_group_size: int = 64
-    kv_residual: int = 128
+    kv_key_quant: str = "per-token"  # quantized: key scales per token (llama.cpp's layout) or per channel (KIVI)
+    kv_residual: int = 0  # quantized: newest tokens kept in full precision (0: every token quantized at once)
     kv_offload_percent: float | None = None
     vram_budget: int | str | None = None
     kv_threshold: float = 0.95
@@ -549,6 +553,8 @@ class KVConfig:
             raise ConfigError(f"kv_bits must be 8 or 4, got {self.kv_bits}")
         if self.kv_group_size < 1:
             raise ConfigError(f"kv_group_size must be >= 1, got {self.kv_group_size}")
+        if self.kv_key_quant not in KV_KEY_QUANT:
+            raise ConfigError(f"kv_key_quant must be one of {', '.join(KV_KEY_QUANT)}, got {self.kv_key_quant!r}")
         if self.kv_offload_percent is not None and not 0 <= self.kv_offload_percent <= 100:
             raise ConfigError(f"kv_offload_percent must be in [0, 100], got {self.kv_offload_percent}")
         if not 0 < self.kv_threshold <= 1:

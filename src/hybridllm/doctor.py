@@ -206,10 +206,26 @@ def diagnose(model: Path | None = None, threads: int | None = None, quick: bool 
         "summary": {s: sum(c.status == s for c in checks) for s in (OK, WARN, UNKNOWN)},
         "cpu_load": {**asdict(load), "loaded": load.loaded, "decode_threads": load.decode_threads,
                      "line": load.line()},
+        "kernels": native_kernels(),
     }
     if model_info is not None:
         report["model"] = model_info
     return report
+
+
+def native_kernels() -> dict[str, Any]:
+    """Which instruction set the native decode kernels run on (building them on first use), or
+    why they are unavailable (decode then runs through PyTorch)."""
+    import os
+
+    from hybridllm.kernels.build import MARCH_ENV, KernelBuildError
+    from hybridllm.kernels.native import kernel_isa
+
+    march = os.environ.get(MARCH_ENV) or "native"
+    try:
+        return {"isa": kernel_isa(), "march": march, "error": None}
+    except KernelBuildError as exc:
+        return {"isa": None, "march": march, "error": str(exc)}
 
 
 def _model_file(model: Path | None) -> tuple[Path | None, dict[str, Any] | None, Any]:
@@ -270,6 +286,10 @@ def print_report(report: dict[str, Any]) -> None:
                      f"{d['prefill_flops'] / 1e9:.1f} GFLOP/s; the planner uses these")
     if report.get("cpu_load"):
         meas.add_row("CPU load", report["cpu_load"]["line"])
+    k = report.get("kernels")
+    if k:
+        meas.add_row("native decode kernels", f"{k['isa']} (-march={k['march']})" if k["isa"]
+                     else f"unavailable, decode runs through PyTorch: {k['error']}")
     meas.add_row("host matmul", f"{p['host_flops'] / 1e9:.1f} GFLOP/s")
     meas.add_row("decode overhead (CPU)", f"{p['host_layer_overhead_s'] * 1e6:.0f} us per layer, "
                  f"{p['host_token_overhead_s'] * 1e6:.0f} us per token")

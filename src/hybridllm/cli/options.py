@@ -47,6 +47,7 @@ KVColdBits = Annotated[int, typer.Option("--kv-cold-bits", help="tiered: bits of
 KVBits = Annotated[int, typer.Option("--kv-bits", help="quantized: 8 or 4.", rich_help_panel=KV_PANEL)]
 KVResidual = Annotated[int, typer.Option("--kv-residual", help="quantized: newest tokens kept in full precision (--kv-dtype).", rich_help_panel=KV_PANEL)]
 KVGroupSize = Annotated[int, typer.Option("--kv-group-size", help="quantized, and tiered cold pages: tokens per key scale, channels per value scale (64: 8.5 / 4.5 bits per value at 8 / 4 bits).", rich_help_panel=KV_PANEL)]
+KVKeyQuant = Annotated[str, typer.Option("--kv-key-quant", help="quantized: key scales per-token (llama.cpp's layout: nothing waits in full precision) or per-channel (KIVI: groups of --kv-group-size tokens).", rich_help_panel=KV_PANEL)]
 KVOffloadPercent = Annotated[Optional[float], typer.Option("--kv-offload-percent", help="tiered: percent of cached tokens kept on the host instead of a window.", rich_help_panel=KV_PANEL)]
 VramBudget = Annotated[Optional[str], typer.Option("--vram-budget", help="Device memory budget, e.g. 8GiB (weights + KV).", rich_help_panel=KV_PANEL)]
 KVAdaptive = Annotated[bool, typer.Option("--kv-adaptive/--no-kv-adaptive", help="When device KV fills up mid-request, shrink the hot window or move decoding to the host instead of failing.", rich_help_panel=KV_PANEL)]
@@ -94,8 +95,9 @@ class KVOptions:
     kv_sink_tokens: KVSinkTokens = 0
     kv_cold_bits: KVColdBits = 16
     kv_bits: KVBits = 8
-    kv_residual: KVResidual = 128
+    kv_residual: KVResidual = 0
     kv_group_size: KVGroupSize = 64
+    kv_key_quant: KVKeyQuant = "per-token"
     kv_offload_percent: KVOffloadPercent = None
     vram_budget: VramBudget = None
     kv_adaptive: KVAdaptive = True

@@ -29,7 +29,8 @@ def kv_format(runtime: Any) -> str:
     and its number formats."""
     kv = runtime.kv_config
     return (f"weights={runtime.weights_format},dtype={runtime.engine_config.dtype},kv={kv.kv_cache},"
-            f"bits={kv.kv_bits},cold_bits={kv.kv_cold_bits},group={kv.kv_group_size},kv_dtype={kv.kv_dtype}")
+            f"bits={kv.kv_bits},cold_bits={kv.kv_cold_bits},group={kv.kv_group_size},"
+            f"key_quant={kv.kv_key_quant},kv_dtype={kv.kv_dtype}")
 
 
 def build_prefix_cache(runtime: Any, config: PrefixCacheConfig) -> PrefixCache | None:

@@ -3,7 +3,8 @@
     library = load_decode_library()   # ctypes.CDLL, built once per machine and source version
 
 The shared library is compiled with ``-O3 -march=native -fopenmp-simd -pthread`` (its vector
-loops; its threads are its own team, no OpenMP runtime) into a cache directory
+loops; its threads are its own team, no OpenMP runtime; ``$HYBRIDLLM_KERNEL_MARCH`` replaces
+``native``, e.g. ``x86-64-v3`` builds the AVX2 path on an AVX-512 machine) into a cache directory
 (``$HYBRIDLLM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/hybridllm/kernels``, else
 ``~/.cache/hybridllm/kernels``) under a name that hashes the source, the compiler, the flags
 and the CPU model, so an edit, another compiler or another machine sharing the home directory
@@ -30,6 +31,7 @@ from hybridllm.errors import HybridLLMError
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+MARCH_ENV = "HYBRIDLLM_KERNEL_MARCH"  # the -march the kernels are built for (default: native)
 ABI_VERSION = 6  # must equal ABI_VERSION in decode.cpp
 
 
@@ -91,6 +93,16 @@ def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     return cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
 
 
+def default_flags() -> tuple[str, ...]:
+    """:data:`FLAGS`, with ``-march=$HYBRIDLLM_KERNEL_MARCH`` when that is set."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    if not march:
+        return FLAGS
+    if not all(c.isalnum() or c in "-_." for c in march):
+        raise KernelBuildError(f"{MARCH_ENV}={march!r} is not an architecture name (e.g. x86-64-v3, native)")
+    return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS)
+
+
 def _compile(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +131,7 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> LoadedLibrary:
     """Build (if not cached) and load the kernels with ``extra_flags`` after the default flags
     (e.g. ``("-mno-avx2",)`` builds the portable path on an AVX2 machine, as the tests do)."""
     compiler = find_compiler()
-    flags = (*FLAGS, *extra_flags)
+    flags = (*default_flags(), *extra_flags)
     target = library_path(compiler, flags)
     t0 = time.perf_counter()
     built = not target.exists()

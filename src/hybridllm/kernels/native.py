@@ -133,12 +133,20 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.hl_set_spin_wait.restype = None
     library.hl_spin_wait.argtypes = []
     library.hl_spin_wait.restype = i32
+    library.hl_kernel_isa.argtypes = []
+    library.hl_kernel_isa.restype = ctypes.c_char_p
     return library
 
 
 def kernels() -> ctypes.CDLL:
     """The loaded kernel library with its argument types declared (built on first use)."""
     return _declare(load_decode_library().library)
+
+
+def kernel_isa() -> str:
+    """The instruction set the native kernels were built for: avx512-vnni, avx2-vnni, avx2 or
+    portable (``$HYBRIDLLM_KERNEL_MARCH`` picks another than the host's)."""
+    return kernels().hl_kernel_isa().decode()
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, total: int, threads: int | None = None,

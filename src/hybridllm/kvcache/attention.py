@@ -351,18 +351,21 @@ def quantized_partial_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`partial_attention` (no mask: every query sees every key) read straight from codes.
 
-    Keys are quantized per channel in groups of ``keys.group`` tokens and values per token in
-    groups of ``values.group`` channels (``x = code * scale + zero``). The scales and zeros are
-    folded into the small side of each product instead of dequantizing the cache:
+    Values are quantized per token in groups of ``values.group`` channels, keys per channel in
+    groups of ``keys.group`` tokens or (``keys.per_token``) like the values (``x = code * scale
+    + zero``). The scales and zeros are folded into the small side of each product instead of
+    dequantizing the cache:
 
-        q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd                (g: the token group of t)
+        q . k_t = sum_d (q_d s_gd) c_td + sum_d q_d z_gd                (per channel; g: the token group of t)
+        q . k_t = sum_g s_tg (q_g . c_tg) + sum_g z_tg sum_(d in g) q_d (per token; g: a channel group)
         sum_t p_t v_td = sum_t (p_t s_tg) c_td + sum_t p_t z_tg         (g: the channel group of d)
 
     so the only full-size pass is the codes' conversion to float32.
 
     Args:
         q: (B, H, T, D).
-        keys: codes (B, Hkv, S, D*bits/8) uint8, scale/zero (B, Hkv, S/group, D).
+        keys: codes (B, Hkv, S, D*bits/8) uint8, scale/zero (B, Hkv, S/group, D) per channel or
+            (B, Hkv, S, D/group) per token.
         values: codes (B, Hkv, S, D*bits/8) uint8, scale/zero (B, Hkv, S, D/group).
         unpack: packed codes -> (B, Hkv, S, D) uint8 codes (identity for 8 bits).
     Returns:
@@ -372,7 +375,8 @@ def quantized_partial_attention(
     n_kv_heads = keys.codes.shape[1]
     rows = n_heads // n_kv_heads * n_queries  # query rows per KV head
     q_rows = q.float().reshape(batch, n_kv_heads, rows, head_dim)  # (B, Hkv, GT, D)
-    scores = _scores_from_codes(q_rows, keys, unpack) * (1.0 / math.sqrt(head_dim))  # (B, Hkv, GT, S)
+    scores_from_codes = _scores_from_token_codes if keys.per_token else _scores_from_codes
+    scores = scores_from_codes(q_rows, keys, unpack) * (1.0 / math.sqrt(head_dim))  # (B, Hkv, GT, S)
     lse = torch.logsumexp(scores, dim=-1)  # (B, Hkv, GT)
     probs = torch.exp(scores - lse.unsqueeze(-1))  # (B, Hkv, GT, S)
     out = _weighted_values_from_codes(probs, values, unpack)  # (B, Hkv, GT, D)
@@ -381,12 +385,14 @@ def quantized_partial_attention(
 
 @dataclass(frozen=True)
 class QuantizedBlock:
-    """Codes with their group-wise scale and zero (float16), as :class:`QuantizedKV` stores them."""
+    """Codes with their group-wise scale and zero (float16), as :class:`QuantizedKV` stores them:
+    ``per_token`` groups run along each token's channels, otherwise along each channel's tokens."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     group: int
+    per_token: bool = False
 
 
 def _scores_from_codes(q_rows: torch.Tensor, keys: QuantizedBlock,
@@ -402,6 +408,24 @@ def _scores_from_codes(q_rows: torch.Tensor, keys: QuantizedBlock,
     offsets = torch.matmul(zero, q_rows.transpose(-1, -2))  # (B, Hkv, Gk, GT)
     scores = scores + offsets.unsqueeze(-1)
     return scores.transpose(2, 3).reshape(batch, n_kv_heads, rows, n_groups * keys.group)  # (B, Hkv, GT, S)
+
+
+def _scores_from_token_codes(q_rows: torch.Tensor, keys: QuantizedBlock,
+                             unpack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """q_rows (B, Hkv, GT, D) against per-token quantized keys -> raw scores (B, Hkv, GT, S)."""
+    batch, n_kv_heads, rows, head_dim = q_rows.shape
+    codes = unpack(keys.codes).float()  # (B, Hkv, S, D)
+    n_keys, n_groups = codes.shape[2], head_dim // keys.group
+    scale, zero = keys.scale.float(), keys.zero.float()  # (B, Hkv, S, Gk)
+    if n_groups == 1:  # one group per token (the usual case): a scale and a zero per key
+        dots = torch.matmul(q_rows, codes.transpose(-1, -2))  # (B, Hkv, GT, S)
+        return dots * scale.transpose(-1, -2) + q_rows.sum(-1, keepdim=True) * zero.transpose(-1, -2)
+    q_groups = q_rows.view(batch, n_kv_heads, rows, n_groups, keys.group).transpose(2, 3)  # (B, Hkv, Gk, GT, g)
+    codes = codes.view(batch, n_kv_heads, n_keys, n_groups, keys.group).transpose(2, 3)  # (B, Hkv, Gk, S, g)
+    dots = torch.matmul(q_groups, codes.transpose(-1, -2))  # (B, Hkv, Gk, GT, S)
+    scores = (dots * scale.permute(0, 1, 3, 2).unsqueeze(3)).sum(2)  # (B, Hkv, GT, S)
+    q_sums = q_groups.sum(-1)  # (B, Hkv, Gk, GT)
+    return scores + torch.matmul(q_sums.transpose(-1, -2), zero.transpose(-1, -2))  # + (B, Hkv, GT, S)
 
 
 def _weighted_values_from_codes(probs: torch.Tensor, values: QuantizedBlock,

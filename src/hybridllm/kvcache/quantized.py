@@ -1,14 +1,18 @@
 """``quantized``: KV on the device as int8/int4 groups, with a full-precision residual window.
 
-Per layer, tokens ``0 .. packed-1`` live in a :class:`QuantizedKV` (keys per channel in
-groups of ``group_size`` tokens, values per token in groups of channels) and the newest
-tokens in a small :class:`DenseKV` residual of at most ``residual + group_size - 1`` tokens.
+Per layer, tokens ``0 .. packed-1`` live in a :class:`QuantizedKV` (values per token in groups
+of channels; keys likewise per token, llama.cpp's layout, or per channel in groups of
+``group_size`` tokens, KIVI's) and the newest tokens in a small :class:`DenseKV` residual of at
+most ``residual`` tokens (``residual + group_size - 1`` with per-channel keys).
 Attention runs in parts merged exactly by their log-sum-exp: the packed prefix is read in
 chunks of ``chunk_tokens`` straight from its codes (:func:`quantized_partial_attention`: the
 scales and zeros are folded into the queries and the probabilities, so no dequantized copy of
 the cache is built), then the residual and the new tokens get the causal kernel; afterwards
-every whole group older than the newest ``residual`` tokens is quantized. With ``residual=0``
-every complete key group is quantized (a key group needs ``group_size`` tokens before its per-channel range is known, so < ``group_size`` tokens wait).
+every token (per-channel keys: every whole group) older than the newest ``residual`` tokens is
+quantized. With ``residual=0`` and per-token keys nothing waits in full precision: the cache is
+exactly 8.5 / 4.5 bits per value at group 64, as compact as llama.cpp's q8_0 / q4_0. Per-channel
+keys need ``group_size`` tokens before a group's range is known, so up to ``group_size - 1``
+tokens wait.
 """
 
 from __future__ import annotations
@@ -37,20 +41,25 @@ class QuantizedCache(KVCache):
         residual_dtype: the dtype the residual is stored in (default: the compute dtype; float16
             under float32 compute halves its bytes; attention reads it in the compute dtype).
         chunk_tokens: packed tokens per attention chunk (rounded down to whole groups).
+        keys_per_token: keys quantized per token like the values (else per channel, KIVI).
     """
 
     name = "quantized"
 
     def __init__(self, spec: KVSpec, ledger: MemoryLedger | None = None, bits: int = 8, group_size: int = 64,
-                 residual: int = 128, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 residual_dtype: torch.dtype | None = None) -> None:
+                 residual: int = 0, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 residual_dtype: torch.dtype | None = None, keys_per_token: bool = True) -> None:
         super().__init__(spec, ledger)
         if group_size < 1 or residual < 0:
             raise ValueError(f"group_size must be >= 1 and residual >= 0, got {group_size}, {residual}")
         self.bits, self.group_size, self.residual = bits, group_size, residual
-        self.chunk_tokens = max(group_size, chunk_tokens // group_size * group_size)  # whole key groups
-        self._residual_capacity = residual + group_size - 1  # the most full-precision tokens ever held
-        self._packed = [QuantizedKV(self.ledger, "device", spec.device, spec, bits, group_size)
+        self.keys_per_token = keys_per_token
+        granule = 1 if keys_per_token else group_size  # tokens quantized together
+        self._granule = granule
+        self.chunk_tokens = max(granule, chunk_tokens // granule * granule)  # whole key groups
+        self._residual_capacity = residual + granule - 1  # the most full-precision tokens ever held
+        self._packed = [QuantizedKV(self.ledger, "device", spec.device, spec, bits, group_size,
+                                    keys_per_token=keys_per_token)
                         for _ in range(spec.n_layers)]
         self._recent = [DenseKV(self.ledger, "device", spec.device, spec, storage_dtype=residual_dtype)
                         for _ in range(spec.n_layers)]
@@ -59,7 +68,8 @@ class QuantizedCache(KVCache):
         n_tokens = min(n_tokens, self.spec.max_tokens)
         for packed, recent in zip(self._packed, self._recent):
             packed.reserve(max(0, n_tokens - self.residual))
-            recent.reserve(min(n_tokens, self._residual_capacity))
+            if self._residual_capacity:
+                recent.reserve(min(n_tokens, self._residual_capacity))
 
     extendable = True
 
@@ -68,7 +78,8 @@ class QuantizedCache(KVCache):
         tail (the recent tokens, then the new ones): (B, Hkv, n_recent+T, D) each."""
         past = self._advance(layer_idx, k_new.shape[2])
         recent = self._recent[layer_idx]
-        recent.reserve(self._residual_capacity)  # fixed size: the new tokens never all land in it
+        if self._residual_capacity:
+            recent.reserve(self._residual_capacity)  # fixed size: the new tokens never all land in it
         recent_k, recent_v = recent.read()
         k_new, v_new = k_new.to(recent_k.device), v_new.to(recent_v.device)
         return past, torch.cat([recent_k, k_new], dim=2), torch.cat([recent_v, v_new], dim=2)
@@ -103,13 +114,14 @@ class QuantizedCache(KVCache):
                 k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Quantize every whole group older than the newest ``residual`` tokens; keep the rest."""
         n_tail = tail_k.shape[2]
-        n_move = max(0, n_tail - self.residual) // self.group_size * self.group_size
+        n_move = max(0, n_tail - self.residual) // self._granule * self._granule
         if n_move == 0:
             recent.append(k_new, v_new)
             return
         packed.append(tail_k[:, :, :n_move], tail_v[:, :, :n_move])
         recent.truncate(0)
-        recent.append(tail_k[:, :, n_move:], tail_v[:, :, n_move:])
+        if n_move < n_tail:
+            recent.append(tail_k[:, :, n_move:], tail_v[:, :, n_move:])
 
     def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         packed_k, packed_v = self._packed[layer_idx].read()  # dequantized, oldest tokens
@@ -132,7 +144,7 @@ class QuantizedCache(KVCache):
                     continue
                 # The cut falls in a quantized group: its surviving tokens return to full
                 # precision (as their dequantized values) and the group is dropped.
-                keep = length // self.group_size * self.group_size
+                keep = length // self._granule * self._granule
                 back_k, back_v = packed.read(keep, length)
                 packed.truncate(keep)
                 packed.trim()
@@ -141,14 +153,19 @@ class QuantizedCache(KVCache):
 
 
 def _quantized_token_bytes(config: KVConfig, spec: KVSpec) -> dict[str, float]:
-    return {"device": spec.n_layers * quantized_token_bytes(spec, config.kv_bits, config.kv_group_size)}
+    return {"device": spec.n_layers * quantized_token_bytes(spec, config.kv_bits, config.kv_group_size,
+                                                            _keys_per_token(config))}
+
+
+def _keys_per_token(config: KVConfig) -> bool:
+    return config.kv_key_quant == "per-token"
 
 
 def _quantized_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: float) -> KVCost:
     """The newest ``kv_residual`` tokens in ``--kv-dtype``, the rest packed; the packed part is
     counted as read through a compute-dtype copy of one layer at a time (the scratch)."""
     full, kept = dense_token_bytes(spec), dense_token_bytes(stored_spec(config, spec))
-    packed = quantized_token_bytes(spec, config.kv_bits, config.kv_group_size)
+    packed = quantized_token_bytes(spec, config.kv_bits, config.kv_group_size, _keys_per_token(config))
     residual = min(n_tokens, config.kv_residual)
     layer = residual * kept + (n_tokens - residual) * packed
     layer_read = residual * kept + read_bytes(n_tokens - residual, packed, full)
@@ -161,7 +178,8 @@ STRATEGY = KVStrategy(
     tiers=("device",),
     build=lambda config, spec, ledger: QuantizedCache(spec, ledger, bits=config.kv_bits,
                                                       group_size=config.kv_group_size, residual=config.kv_residual,
-                                                      residual_dtype=stored_dtype(config, spec)),
+                                                      residual_dtype=stored_dtype(config, spec),
+                                                      keys_per_token=_keys_per_token(config)),
     token_bytes=_quantized_token_bytes,
     cost=_quantized_cost,
     describe=lambda config: f"quantized int{config.kv_bits} KV",

@@ -271,71 +271,90 @@ class DenseKV(TokenStore):
 
 
 class QuantizedKV(TokenStore):
-    """Keys per channel and values per token, group-wise int8/int4 (see :mod:`.quantize`).
+    """Keys and values group-wise int8/int4 (see :mod:`.quantize`); values per token, keys per
+    channel (KIVI) or per token (llama.cpp's q8_0 / q4_0 layout).
 
-    Fields: k_codes/v_codes (B, Hkv, capacity, D*bits/8) uint8; k_scale/k_zero
-    (B, Hkv, capacity/group, D) float16; v_scale/v_zero (B, Hkv, capacity, D/channel_group)
-    float16. Tokens are appended and truncated in whole key groups of ``group`` tokens.
+    Fields: k_codes/v_codes (B, Hkv, capacity, D*bits/8) uint8; v_scale/v_zero (B, Hkv,
+    capacity, D/channel_group) float16; k_scale/k_zero (B, Hkv, capacity/group, D) per channel,
+    or (B, Hkv, capacity, D/channel_group) per token. Per-channel keys are appended and truncated
+    in whole groups of ``group`` tokens; per-token keys one token at a time.
 
     Args:
         ledger, tier, device: where the bytes are and who counts them.
         spec: shape and compute dtype (what :meth:`read` returns).
         bits: 8 or 4.
-        group: tokens per key group (and channels per value group, when it divides head_dim).
-        granule: capacities are multiples of this many tokens (a multiple of ``group``).
+        group: tokens per key group (per-channel keys) and channels per value group (and per key
+            group for per-token keys), when it divides head_dim.
+        granule: capacities are multiples of this many tokens (a multiple of :attr:`token_granule`).
+        keys_per_token: quantize keys like values, per token in groups of channels.
     """
 
     def __init__(
         self, ledger: MemoryLedger, tier: str, device: torch.device, spec: KVSpec, bits: int, group: int,
-        granule: int | None = None,
+        granule: int | None = None, keys_per_token: bool = False,
     ) -> None:
-        self.bits, self.group = bits, group
+        self.bits, self.group, self.keys_per_token = bits, group, keys_per_token
         self.v_group = channel_group(spec.head_dim, group)
+        self.token_granule = 1 if keys_per_token else group  # tokens appended / truncated together
         code_tail = (packed_size(spec.head_dim, bits),)
+        per_token_scales = (spec.head_dim // self.v_group,)
+        key_scale = (Field(per_token_scales, SCALE_DTYPE) if keys_per_token
+                     else Field((spec.head_dim,), SCALE_DTYPE, tokens_per_row=group))
         fields = {
             "k_codes": Field(code_tail, torch.uint8),
-            "k_scale": Field((spec.head_dim,), SCALE_DTYPE, tokens_per_row=group),
-            "k_zero": Field((spec.head_dim,), SCALE_DTYPE, tokens_per_row=group),
+            "k_scale": key_scale,
+            "k_zero": key_scale,
             "v_codes": Field(code_tail, torch.uint8),
-            "v_scale": Field((spec.head_dim // self.v_group,), SCALE_DTYPE),
-            "v_zero": Field((spec.head_dim // self.v_group,), SCALE_DTYPE),
+            "v_scale": Field(per_token_scales, SCALE_DTYPE),
+            "v_zero": Field(per_token_scales, SCALE_DTYPE),
         }
-        granule = group if granule is None else granule
+        granule = self.token_granule if granule is None else granule
         lead = (spec.batch_size, spec.n_kv_heads)
         super().__init__(LedgeredBuffer(ledger, tier, device, lead, fields, granule), spec)
 
+    def _quantize_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.keys_per_token:
+            return quantize(k, self.bits, self.v_group, dim=3)  # per token: groups of channels
+        return quantize(k, self.bits, self.group, dim=2)  # per channel: groups of tokens
+
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        if k.shape[2] % self.group:
+        if k.shape[2] % self.token_granule:
             raise ValueError(f"quantized store takes whole groups of {self.group} tokens, got {k.shape[2]}")
-        k_codes, k_scale, k_zero = quantize(k, self.bits, self.group, dim=2)  # per channel: groups of tokens
+        k_codes, k_scale, k_zero = self._quantize_keys(k)
         v_codes, v_scale, v_zero = quantize(v, self.bits, self.v_group, dim=3)  # per token: groups of channels
         return {"k_codes": k_codes, "k_scale": k_scale, "k_zero": k_zero,
                 "v_codes": v_codes, "v_scale": v_scale, "v_zero": v_zero}
 
     def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first = start // self.group * self.group  # key groups are decoded whole
-        last = -(-end // self.group) * self.group
+        granule = self.token_granule
+        first = start // granule * granule  # per-channel key groups are decoded whole
+        last = -(-end // granule) * granule
         rows = {name: self.buffer.rows(name, first, last) for name in self.buffer.fields}
         dtype = self.spec.dtype
-        k = dequantize(rows["k_codes"], rows["k_scale"], rows["k_zero"], self.bits, self.group, 2, dtype)
+        if self.keys_per_token:
+            k = dequantize(rows["k_codes"], rows["k_scale"], rows["k_zero"], self.bits, self.v_group, 3, dtype)
+        else:
+            k = dequantize(rows["k_codes"], rows["k_scale"], rows["k_zero"], self.bits, self.group, 2, dtype)
         v = dequantize(rows["v_codes"], rows["v_scale"], rows["v_zero"], self.bits, self.v_group, 3, dtype)
         lo, hi = start - first, end - first
         return k[:, :, lo:hi], v[:, :, lo:hi]  # (B, Hkv, end-start, D)
 
     def truncate(self, length: int) -> None:
-        if length % self.group:
+        if length % self.token_granule:
             raise ValueError(f"quantized store truncates to whole groups of {self.group} tokens, got {length}")
         super().truncate(length)
 
     def partial_attention(self, q: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q (B, H, T, D) over tokens ``start .. end-1`` (whole key groups), read from
         the codes without a dequantized copy; returns (out (B, H, T, D), lse (B, H, T)) in float32."""
-        if start % self.group or end % self.group or not 0 <= start < end <= self.length:
-            raise ValueError(f"partial attention over {start}..{end}: not whole groups of {self.group} "
+        granule = self.token_granule
+        if start % granule or end % granule or not 0 <= start < end <= self.length:
+            raise ValueError(f"partial attention over {start}..{end}: not whole groups of {granule} "
                              f"within the {self.length} stored tokens")
         rows = {name: self.buffer.rows(name, start, end) for name in self.buffer.fields}
-        keys = QuantizedBlock(rows["k_codes"], rows["k_scale"], rows["k_zero"], self.group)
-        values = QuantizedBlock(rows["v_codes"], rows["v_scale"], rows["v_zero"], self.v_group)
+        keys = QuantizedBlock(rows["k_codes"], rows["k_scale"], rows["k_zero"],
+                              self.v_group if self.keys_per_token else self.group, per_token=self.keys_per_token)
+        values = QuantizedBlock(rows["v_codes"], rows["v_scale"], rows["v_zero"], self.v_group, per_token=True)
         return quantized_partial_attention(q, keys, values, unpack_int4 if self.bits == 4 else _same)
 
 

@@ -87,14 +87,15 @@ def dense_token_bytes(spec: KVSpec) -> float:
     return spec.token_bytes()
 
 
-def quantized_token_bytes(spec: KVSpec, bits: int, group: int) -> float:
+def quantized_token_bytes(spec: KVSpec, bits: int, group: int, keys_per_token: bool = False) -> float:
     """Bytes of one token of one layer in a :class:`~hybridllm.kvcache.storage.QuantizedKV`:
-    K and V codes, the keys' fp16 scale and zero per channel per ``group`` tokens, and the
-    values' fp16 scale and zero per group of channels."""
+    K and V codes, the keys' fp16 scale and zero per channel per ``group`` tokens (or, with
+    ``keys_per_token``, per group of channels like the values), and the values' fp16 scale and
+    zero per group of channels."""
     heads = spec.batch_size * spec.n_kv_heads
     codes = 2 * packed_size(spec.head_dim, bits)
-    key_scales = 2 * _SCALE_BYTES * spec.head_dim / group
     value_scales = 2 * _SCALE_BYTES * spec.head_dim // channel_group(spec.head_dim, group)
+    key_scales = value_scales if keys_per_token else 2 * _SCALE_BYTES * spec.head_dim / group
     return heads * (codes + key_scales + value_scales)
 
 
