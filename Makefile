@@ -29,7 +29,7 @@ run: $(STAMP)
 
 # Everything (CI); the full suite takes up to 15 minutes on 2 cores.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # The fast unit tier: every test not marked `slow` (under 3 minutes on 2 cores).
 test-fast: $(STAMP)
