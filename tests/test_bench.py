@@ -160,6 +160,21 @@ def test_cli_bench_passes_the_shared_kv_and_speed_flags(tiny_gguf, tmp_path):
     assert row["kv_options"] == {"kv_hot_window": 8, "kv_sink_tokens": 2}
 
 
+def test_cli_speed_preset_stores_the_kv_in_float16_unless_told(tiny_gguf, tmp_path):
+    from hybridllm.cli import app
+
+    for extra, expected in (([], "float16"), (["--kv-dtype", "float32"], "float32")):
+        out = tmp_path / "speed.json"
+        result = CliRunner().invoke(app, [
+            "bench", "--preset", "speed", "--model", tiny_gguf, "--context", "16", "--new-tokens", "2",
+            "--repeat", "1", "--threads", "1", "--no-warmup", "--baseline", "none", "--json", str(out), *extra,
+        ])
+        assert result.exit_code == 0, result.output
+        [row] = json.loads(out.read_text())["rows"]
+        assert row["status"] == "ok", row["error"]
+        assert row["kv_options"] == {"kv_dtype": expected}
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--kv-cache", "bogus"], "unknown KV cache 'bogus'"),
     (["--baseline", "vllm"], "unknown baseline 'vllm'"),
@@ -353,7 +368,8 @@ def test_llama_cpp_peer_same_method(tiny_gguf, tiny_config_json):
 
 def test_speed_preset_and_ratio_and_bandwidth_columns():
     settings = resolve("speed")
-    assert settings["contexts"] == [16, 512, 1500, 8064]
+    assert settings["contexts"] == [16, 512, 2048, 8064]
+    assert settings["kv_options"] == {"kv_dtype": "float16"}  # llama.cpp's default KV precision
     assert settings["baselines"] == ["llama.cpp", "transformers"]
     assert settings["new_tokens"] == 128 and settings["weights"] == "auto"
     assert resolve("speed", contexts=[64])["contexts"] == [64]  # flags still override the preset
@@ -375,6 +391,8 @@ def test_speed_preset_and_ratio_and_bandwidth_columns():
     assert "| 512 | hybridllm (int4) | 900.0 | 60.0 | 0.50x | 3.00x | " in text
     assert "30 %" in text
     assert report.speed_records([ours], bandwidth_gbs=None)[0]["limit_fraction"] is None
+    half = {**ours, "kv_options": {"kv_dtype": "float16"}}
+    assert "| 512 | hybridllm (int4, KV float16) | " in report.speed_markdown([peer, half], bandwidth_gbs=None)
 
 
 # ---- the presets that replace the former bench/ scripts ---------------------------------------------

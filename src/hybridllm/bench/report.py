@@ -255,6 +255,7 @@ def speed_records(rows: Sequence[dict[str, Any]], bandwidth_gbs: float | None) -
             "context": row["context"],
             "engine": row["engine"],
             "weights": row.get("weights_format") or row.get("weights"),
+            "kv_dtype": (row.get("kv_options") or {}).get("kv_dtype"),
             "prefill_tps": row.get("prefill_tps"),
             "decode_tps": row.get("decode_tps"),
             "decode_ratio": _ratio(row.get("decode_tps"), ref and ref.get("decode_tps")),
@@ -274,9 +275,15 @@ def speed_table(records: Sequence[dict[str, Any]]) -> list[list[str]]:
     def times(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}x"
 
+    def engine(r: dict[str, Any]) -> str:
+        details = [r["weights"]] if r.get("weights") else []
+        if r["engine"] == "hybridllm" and r.get("kv_dtype") not in (None, "auto"):
+            details.append(f"KV {r['kv_dtype']}")
+        return r["engine"] + (f" ({', '.join(details)})" if details else "")
+
     return [[
         str(r["context"]),
-        r["engine"] + (f" ({r['weights']})" if r.get("weights") else ""),
+        engine(r),
         fmt_rate(r["prefill_tps"]),
         fmt_rate(r["decode_tps"]),
         times(r["decode_ratio"]),

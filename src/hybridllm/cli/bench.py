@@ -147,7 +147,9 @@ def bench(
             multi_turn_options["weights"] = placement.weights
         raise typer.Exit(run_multi_turn(multi_turn_options, settings, turns, json_out,
                                         shlex.join(["hybridllm", *sys.argv[1:]])))
-    kv_options = {**_parse_kv_options(kv_opt), **changed(kv)}  # kv_cache is a sweep axis, never in changed(kv)
+    # A preset's KV options (--preset speed: float16 KV), then --kv-opt, then the KV flags; kv_cache
+    # is a sweep axis, never in changed(kv).
+    kv_options = {**settings.get("kv_options", {}), **_parse_kv_options(kv_opt), **changed(kv)}
     llm_options = changed(speed)
     if ctx_size:
         llm_options["ctx_size"] = ctx_size
