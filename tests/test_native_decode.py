@@ -193,7 +193,6 @@ def test_native_decode_equals_the_pytorch_step_on_float_weights(tiny_models, arc
     model = _runner(_load(tiny_models, arch), "native")
     report = model.report.build
     assert report.kernel_layers == model.config.n_layers and report.head and report.whole_step
-    assert report.copy_bytes == 0  # float32 weights are read in place
     counts = _count_native_steps(monkeypatch)
     expected_logits, expected_tokens = _greedy(reference, _cache(reference))
     logits, tokens = _greedy(model, _cache(model))
@@ -209,30 +208,13 @@ def test_native_decode_of_quantized_weights_matches_their_float_product(tiny_mod
     # The reference: the same model with every quantized projection dequantized to float32.
     reference = _runner(dequantize_model(_load(tiny_models, "llama", weights)), "eager")
     # A one-token prompt: every step, the first included, is a decode step (the prefill of longer
-    # prompts runs PyTorch's bfloat16 kernels, which would differ from both).
+    # prompts rounds to bfloat16 where the CPU has bf16 dot products, as PyTorch's int4 kernel does).
     prompt = 1
     expected_logits, expected_tokens = _greedy(reference, _cache(reference), prompt=prompt)
     logits, tokens = _greedy(model, _cache(model), prompt=prompt)
     assert tokens == expected_tokens
     scale = expected_logits.abs().max().item()
     torch.testing.assert_close(logits, expected_logits, atol=2e-3 * scale, rtol=1e-3)
-
-
-def test_int4_copies_count_as_host_weight_bytes(tiny_models):
-    from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
-
-    model = _load(tiny_models, "llama", "int4")
-    eager, native_runner = _runner(model, "eager"), _runner(model, "native")
-    placement = eager.placement
-    before = weight_bytes_per_tier(model, placement, eager.backend)
-    assert before == weight_bytes_per_tier(model, placement)
-    assert decode_weight_bytes(model, placement, eager.backend) == sum(before.values())
-    copies = native_runner.report.build.copy_bytes
-    assert copies > 0
-    after = weight_bytes_per_tier(model, placement, native_runner.backend)
-    assert sum(after.values()) - sum(before.values()) == copies
-    # A decode step reads the native copies instead of PyTorch's packed int4 (same bytes: 20 per 32).
-    assert decode_weight_bytes(model, placement, native_runner.backend) == sum(before.values())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])

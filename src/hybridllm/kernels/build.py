@@ -29,10 +29,16 @@ from pathlib import Path
 
 from hybridllm.errors import HybridLLMError
 
-SOURCE = Path(__file__).with_name("decode.cpp")
+SOURCE = Path(__file__).with_name("decode.cpp")  # the translation unit; it includes the headers beside it
+
+
+def sources() -> list[Path]:
+    """Every file the build reads: the translation unit and the headers it includes."""
+    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 MARCH_ENV = "HYBRIDLLM_KERNEL_MARCH"  # the -march the kernels are built for (default: native)
-ABI_VERSION = 6  # must equal ABI_VERSION in decode.cpp
+ABI_VERSION = 7  # must equal ABI_VERSION in decode.cpp
 
 
 class KernelBuildError(HybridLLMError, RuntimeError):
@@ -86,8 +92,9 @@ def _compiler_version(compiler: str) -> str:
 def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """Where the build for this source, compiler, flags and CPU lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _compiler_version(compiler).encode(), " ".join(flags).encode(),
-                 _cpu_model().encode(), platform.machine().encode()):
+    parts = [path.read_bytes() for path in sources()]
+    for part in (*parts, _compiler_version(compiler).encode(), " ".join(flags).encode(), _cpu_model().encode(),
+                 platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"decode-{key.hexdigest()[:16]}.so"

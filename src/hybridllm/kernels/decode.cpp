@@ -42,7 +42,7 @@
 
 namespace {
 
-constexpr int32_t ABI_VERSION = 6;
+constexpr int32_t ABI_VERSION = 7;
 constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
 
 enum KVDtype : int32_t {
@@ -879,6 +879,8 @@ void linear_team(const Team& team, const HLLinear& w, const float* x, float* out
   team.barrier();
 }
 
+#include "prefill_gemm.h"
+
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
 void silu_times(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
 #pragma omp simd
@@ -1073,11 +1075,15 @@ struct AttentionSplit {
   static int64_t max_items(int n_kv_heads) { return n_kv_heads * chunks_per_head(n_kv_heads); }
 };
 
+#include "prefill_attention.h"
+
 // Scratch shared by a team for one step of `rows` tokens (allocated once per call, outside the team).
 struct Workspace {
   std::vector<float> normed, qkv, attn, proj, gate_up, mlp, h, part_out, part_max, part_sum;
   std::vector<int64_t> item_offsets;  // (rows + 1,): where each row's attention items start
-  Workspace(const HLDecoderLayer& w, int64_t rows) {
+  bool prefill;                       // the rows are one sequence's consecutive positions
+  prefill::Inputs inputs;             // prefill products: the input rows as the panels read them
+  Workspace(const HLDecoderLayer& w, int64_t rows, bool prefill_rows = false) : prefill(prefill_rows) {
     const int64_t d = w.head_dim, q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
     const int64_t items = AttentionSplit::max_items(w.n_kv_heads);
     const int64_t group = w.n_heads / w.n_kv_heads;
@@ -1088,12 +1094,25 @@ struct Workspace {
     gate_up.resize(rows * 2 * w.intermediate);
     mlp.resize(rows * w.intermediate);
     h.resize(rows * w.hidden);
-    part_out.resize(rows * items * group * d);
-    part_max.resize(rows * items * group);
-    part_sum.resize(rows * items * group);
+    if (!prefill) {  // the one-row attention's partial results
+      part_out.resize(rows * items * group * d);
+      part_max.resize(rows * items * group);
+      part_sum.resize(rows * items * group);
+    }
     item_offsets.resize(rows + 1);
+    if (prefill) inputs.reserve(rows, std::max({w.hidden, w.intermediate, q_size}));
   }
 };
+
+// x @ W.T for `rows` rows: decode's batch-invariant products, or (a prefill chunk of at least
+// PREFILL_MIN_ROWS rows) the dequantized-panel products.
+void products_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows, Workspace& ws) {
+  if (ws.prefill && rows >= prefill::PREFILL_MIN_ROWS) {
+    prefill::linear_team(team, w, ws.inputs, x, out, rows);
+  } else {
+    linear_team(team, w, x, out, rows);
+  }
+}
 
 // One token's grouped-query attention of work item `item` (kv head, token chunk) of a row:
 // its running max, sum and weighted values per query head of the group.
@@ -1198,6 +1217,9 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
 // x_in, x_out: (rows, hidden), x_in may alias x_out; cos/sin: (rows, D) rotary tables of each
 // row's position. Each weight matrix is read once for all rows; each row's arithmetic is the
 // same whatever the other rows and the team size.
+// With ws.prefill the rows are one sequence's consecutive positions (a prefill chunk: caches[r]
+// are the same buffers at start caches[0].start + r): the products go through dequantized
+// panels and the attention is the chunk's causal, query-tiled kernel (prefill_attention.h).
 void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x_in, float* x_out,
                        const HLLayerCache* caches, int64_t rows, const float* cos, const float* sin, Workspace& ws,
                        std::vector<float>& scores) {
@@ -1209,7 +1231,7 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
     rms_norm(x_in + r * hidden, w.attn_norm, w.eps, hidden, ws.normed.data() + r * hidden);
   team.barrier();
   PHASE_END(team, NORM);
-  linear_team(team, w.qkv, ws.normed.data(), ws.qkv.data(), rows);
+  products_team(team, w.qkv, ws.normed.data(), ws.qkv.data(), rows, ws);
   PHASE_END(team, QKV);
   for (int64_t r = mine.first; r < mine.last; ++r) {
     float* qkv = ws.qkv.data() + r * qkv_size;
@@ -1223,10 +1245,13 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
   }
   team.barrier();
   PHASE_END(team, ROPE_KV);
-  attention_team(team, ws.qkv.data(), qkv_size, caches, rows, w.n_heads, w.n_kv_heads, w.head_dim, ws.attn.data(), ws,
-                 scores);
+  if (ws.prefill)  // rows: positions caches[0].start ..
+    prefill::attention_team(team, ws.qkv.data(), qkv_size, caches[0], rows, w.n_heads, w.n_kv_heads, d, ws.attn.data());
+  else
+    attention_team(team, ws.qkv.data(), qkv_size, caches, rows, w.n_heads, w.n_kv_heads, w.head_dim, ws.attn.data(),
+                   ws, scores);
   PHASE_END(team, ATTENTION);
-  linear_team(team, w.o, ws.attn.data(), ws.proj.data(), rows);
+  products_team(team, w.o, ws.attn.data(), ws.proj.data(), rows, ws);
   PHASE_END(team, O_PROJ);
   for (int64_t r = mine.first; r < mine.last; ++r) {
     float* h = ws.h.data() + r * hidden;
@@ -1235,7 +1260,7 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
   }
   team.barrier();
   PHASE_END(team, RESIDUAL_NORM);
-  linear_team(team, w.gate_up, ws.normed.data(), ws.gate_up.data(), rows);
+  products_team(team, w.gate_up, ws.normed.data(), ws.gate_up.data(), rows, ws);
   PHASE_END(team, GATE_UP);
   for (int64_t r = mine.first; r < mine.last; ++r) {  // row r's (gate, up) -> silu(gate) * up, as (rows, inter)
     const float* gate = ws.gate_up.data() + r * 2 * inter;
@@ -1243,7 +1268,7 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
   }
   team.barrier();
   PHASE_END(team, SILU);
-  linear_team(team, w.down, ws.mlp.data(), ws.proj.data(), rows);
+  products_team(team, w.down, ws.mlp.data(), ws.proj.data(), rows, ws);
   PHASE_END(team, DOWN);
   for (int64_t r = mine.first; r < mine.last; ++r)
     for (int64_t i = 0; i < hidden; ++i) x_out[r * hidden + i] = ws.h[r * hidden + i] + ws.proj[r * hidden + i];
@@ -1260,6 +1285,20 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
   run_team(n_threads, [&](const Team& team) { linear_team(team, *w, x, out, rows); });
 }
 
+// out = x @ W.T (+ bias) for the many rows of a prefill chunk (rows, in_features) -> (rows,
+// out_features): dequantized panels (prefill_gemm.h) from PREFILL_MIN_ROWS rows on, the decode
+// products below that.
+void hl_prefill_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
+  if (rows < prefill::PREFILL_MIN_ROWS) return hl_linear(w, x, out, rows, n_threads);
+  static prefill::Inputs inputs;  // one team runs at a time (the pool's lock): shared scratch
+  inputs.reserve(rows, w->in_features);
+  run_team(n_threads, [&](const Team& team) { prefill::linear_team(team, *w, inputs, x, out, rows); });
+}
+
+// The element type of quantized weights' prefill panels: "bfloat16" (AVX512-BF16 pair dots) or
+// "float32" (float32 weights always use float32 panels).
+const char* hl_prefill_precision() { return prefill::HAVE_BF16_DOTS ? "bfloat16" : "float32"; }
+
 // Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens (float32 or
 // float16, kv_dtype) -> out (H, D).
 void hl_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_dtype, int64_t capacity,
@@ -1273,6 +1312,18 @@ void hl_attention(const float* q, const void* k_cache, const void* v_cache, int3
   run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
     attention_team(team, q, 0, &cache, 1, n_heads, n_kv_heads, head_dim, out, ws, scores);
+  });
+}
+
+// Causal attention of a prefill chunk: q (rows, H, D) at positions start .. start + rows - 1
+// over a (Hkv, capacity, D) cache whose rows 0 .. start + rows - 1 are written (float32 or
+// float16, kv_dtype), with a sliding window (0: none) -> out (rows, H, D).
+void hl_prefill_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_dtype, int64_t capacity,
+                          int64_t start, int64_t rows, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
+                          int32_t window, float* out, int32_t n_threads) {
+  const HLLayerCache cache{const_cast<void*>(k_cache), const_cast<void*>(v_cache), capacity, start, kv_dtype, window};
+  run_team(n_threads, [&](const Team& team) {
+    prefill::attention_team(team, q, int64_t{n_heads} * head_dim, cache, rows, n_heads, n_kv_heads, head_dim, out);
   });
 }
 
@@ -1306,6 +1357,27 @@ void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, i
     PHASE_END(team, FINAL_NORM);
     linear_team(team, *head, ws.normed.data(), logits, rows);
     PHASE_END(team, HEAD);
+  });
+}
+
+// A prefill chunk of one sequence after the embedding: `rows` consecutive positions through
+// every layer in one team, then the final norm and the head for the last `logit_rows` rows.
+// caches: (n_layers, rows), layer-major, row r of a layer at position caches[0].start + r of
+// the same buffers; x (rows, hidden) is overwritten; cos/sin (rows, D); logits (logit_rows, N).
+void hl_prefill_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, int64_t rows,
+                      float* x, const float* cos, const float* sin, const float* final_norm, float eps,
+                      const HLLinear* head, float* logits, int64_t logit_rows, int32_t n_threads) {
+  Workspace ws(layers[0], rows, true);
+  const int64_t hidden = layers[0].hidden, first = rows - logit_rows;
+  run_team(n_threads, [&](const Team& team) {
+    std::vector<float> scores;
+    for (int64_t i = 0; i < n_layers; ++i)
+      decode_layer_team(team, layers[i], x, x, caches + i * rows, rows, cos, sin, ws, scores);
+    const Share mine(logit_rows, team);
+    for (int64_t r = mine.first; r < mine.last; ++r)
+      rms_norm(x + (first + r) * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);
+    team.barrier();
+    products_team(team, *head, ws.normed.data(), logits, logit_rows, ws);
   });
 }
 

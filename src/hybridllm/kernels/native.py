@@ -26,28 +26,24 @@ The native decode backend (``hybridllm.runtime.backends.native``) takes a step o
 applies, otherwise the layer runs its PyTorch code:
 one token per row, float32 activations, and for every row a cache whose layer can be written in
 place (:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on
-the host). Prefill chunks, GPU layers and the paged/tiered/quantized strategies keep the
+the host). A prefill chunk of one sequence with such a cache runs every layer in one call too
+(:meth:`NativeModel.prefill`). GPU layers and the paged/tiered/quantized strategies keep the
 PyTorch path, and so do layers with pieces the kernels lack (Qwen3's q/k norm, partial rotary):
 they are listed in ``report.skipped``.
 
-Weights the kernels read:
+Weights the kernels read, all in place (one copy of every weight, whatever path reads it):
 
-- float32 ``nn.Linear``: the weight itself (no copy);
-- ``Int4Linear``: a copy in blocks of 4 rows x 32 inputs (:func:`pack_int4_blocks`: their
-  bfloat16 scale/zero, the values the PyTorch kernel uses, then GGUF-style nibbles; one
-  sequential stream per thread reads faster than one stream per row). PyTorch's packed copy
-  stays for prefill (its bfloat16 kernel is 1.3-3x faster than anything tried here below ~1K
-  prompt tokens). The step owns the copy (``NativeDecodeLayer.copy_bytes``); the placement's
-  tier accounting counts it, and ``hybridllm.placement.apply.decode_weight_bytes`` counts what a
-  decode step reads;
-- ``Int8Linear`` codes (no copy) with float32 row scales; the ``Int8GroupedLinear`` head/
-  embedding table (no copy).
+- float32 ``nn.Linear``: the weight itself;
+- int4: :class:`~hybridllm.kernels.native_linear.NativeInt4Linear` blocks of 4 rows x 32 inputs
+  (:func:`pack_int4_blocks`: their bfloat16 scale/zero, then GGUF-style nibbles; one sequential
+  stream per thread reads faster than one stream per row). Building the steps moves every host
+  ``Int4Linear`` into that layout (PyTorch's packed layout is not kept: prefill reads the blocks);
+- ``Int8Linear`` codes with float32 row scales; the ``Int8GroupedLinear`` head/embedding table.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -55,7 +51,26 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hybridllm.kernels.abi import (
+    _SLOT_BYTES,
+    FORMAT_F32,
+    FORMAT_Q4,
+    FORMAT_Q8_GROUPS,
+    FORMAT_Q8_ROWS,
+    GROUP,
+    KV_DTYPES,
+    MAX_HEAD_DIM,
+    ROWS,
+    HLDecoderLayer,
+    HLLayerCache,
+    HLLinear,
+    _declare,
+    kernel_isa,
+    kernels,
+    pack_int4_blocks,
+)
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
+from hybridllm.kernels.native_linear import NativeInt4Linear, hold_int4_natively
 from hybridllm.kernels.threads import FixedTeam, ThreadPolicy
 from hybridllm.kvcache.base import KVCache
 from hybridllm.kvcache.batch import BatchedCaches
@@ -65,89 +80,6 @@ from hybridllm.models.llama import GemmaDecoderLayer
 from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
-
-GROUP = 32
-FORMAT_F32, FORMAT_Q4, FORMAT_Q8_ROWS, FORMAT_Q8_GROUPS = 0, 1, 2, 3
-KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # decode.cpp's KVDtype: the KV the kernels read as stored
-MAX_HEAD_DIM = 512  # decode.cpp's rotary scratch
-
-
-class HLLinear(ctypes.Structure):
-    _fields_ = [
-        ("format", ctypes.c_int32),
-        ("has_bias", ctypes.c_int32),
-        ("out_features", ctypes.c_int64),
-        ("in_features", ctypes.c_int64),
-        ("weight", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-    ]
-
-
-class HLDecoderLayer(ctypes.Structure):
-    _fields_ = [
-        ("qkv", HLLinear),
-        ("o", HLLinear),
-        ("gate_up", HLLinear),
-        ("down", HLLinear),
-        ("attn_norm", ctypes.c_void_p),
-        ("mlp_norm", ctypes.c_void_p),
-        ("eps", ctypes.c_float),
-        ("n_heads", ctypes.c_int32),
-        ("n_kv_heads", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("hidden", ctypes.c_int64),
-        ("intermediate", ctypes.c_int64),
-    ]
-
-
-class HLLayerCache(ctypes.Structure):
-    _fields_ = [
-        ("keys", ctypes.c_void_p),
-        ("values", ctypes.c_void_p),
-        ("capacity", ctypes.c_int64),
-        ("start", ctypes.c_int64),
-        ("kv_dtype", ctypes.c_int32),
-        ("window", ctypes.c_int32),  # the layer's sliding window (0: none)
-    ]
-
-
-_SLOT_BYTES = ctypes.sizeof(HLLayerCache)
-
-
-@functools.cache
-def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
-    """Argument types of the exported functions (ctypes then converts ints and pointers)."""
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    library.hl_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i64, i32]
-    library.hl_linear.restype = None
-    library.hl_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, ptr, i32]
-    library.hl_attention.restype = None
-    library.hl_decode_layer.argtypes = [ctypes.POINTER(HLDecoderLayer), ptr, ptr, ctypes.POINTER(HLLayerCache), i64,
-                                        ptr, ptr, i32]
-    library.hl_decode_layer.restype = None
-    library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr,
-                                        ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
-    library.hl_decode_model.restype = None
-    library.hl_set_spin_wait.argtypes = [i32]
-    library.hl_set_spin_wait.restype = None
-    library.hl_spin_wait.argtypes = []
-    library.hl_spin_wait.restype = i32
-    library.hl_kernel_isa.argtypes = []
-    library.hl_kernel_isa.restype = ctypes.c_char_p
-    return library
-
-
-def kernels() -> ctypes.CDLL:
-    """The loaded kernel library with its argument types declared (built on first use)."""
-    return _declare(load_decode_library().library)
-
-
-def kernel_isa() -> str:
-    """The instruction set the native kernels were built for: avx512-vnni, avx2-vnni, avx2 or
-    portable (``$HYBRIDLLM_KERNEL_MARCH`` picks another than the host's)."""
-    return kernels().hl_kernel_isa().decode()
-
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, total: int, threads: int | None = None,
               library: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -164,32 +96,20 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, total: 
     return out
 
 
-# ---- weights as the kernels read them ------------------------------------------------------
-ROWS = 4  # rows per Q4 block (decode.cpp's ROWS)
-
-
-def pack_int4_blocks(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """int4 rows in decode.cpp's streaming layout: (ceil(N/4), K/32, 80) bytes.
-
-    Args:
-        codes: (N, K) codes 0..15.
-        scales_and_zeros: (K/32, N, 2) scale and zero per group (value = (q - 8) * scale + zero).
-    Each 80-byte block holds one group of 4 consecutive rows: their (scale, zero) as bfloat16
-    pairs (16 bytes), then their codes (16 bytes each; byte j = q[j] | q[j + 16] << 4), so a
-    thread reads its rows as one sequential stream.
-    """
-    n, k = codes.shape
-    groups = k // GROUP
-    padded = -(-n // ROWS) * ROWS
-    q = codes.to(torch.uint8).reshape(n, groups, GROUP)
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # (N, G, 16)
-    sz = scales_and_zeros.to(torch.bfloat16).transpose(0, 1).contiguous().view(torch.uint8)  # (N, G, 4)
-    if padded != n:
-        nibbles = torch.cat((nibbles, nibbles.new_zeros(padded - n, groups, 16)))
-        sz = torch.cat((sz, sz.new_zeros(padded - n, groups, 4)))
-    nibbles = nibbles.reshape(padded // ROWS, ROWS, groups, 16).transpose(1, 2).reshape(padded // ROWS, groups, -1)
-    sz = sz.reshape(padded // ROWS, ROWS, groups, 4).transpose(1, 2).reshape(padded // ROWS, groups, -1)
-    return torch.cat((sz, nibbles), dim=-1).contiguous()  # (N/4, G, 16 + 64)
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int = 0,
+                      threads: int | None = None, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """A prefill chunk's queries q (T, H, D) at positions ``start .. start + T - 1`` over keys/values
+    (Hkv, capacity, D) whose first ``start + T`` rows are written -> (T, H, D) float32: the causal,
+    query-tiled kernel inside every native prefill step (``window``: a sliding window, 0: none)."""
+    library = _declare(library) if library is not None else kernels()
+    kv_dtype = keys.dtype if keys.dtype in KV_DTYPES else torch.float32
+    q, keys, values = q.float().contiguous(), keys.to(kv_dtype).contiguous(), values.to(kv_dtype).contiguous()
+    (rows, n_heads, head_dim), (n_kv_heads, capacity, _) = q.shape, keys.shape
+    out = torch.empty_like(q)
+    library.hl_prefill_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), KV_DTYPES[kv_dtype], capacity, start,
+                                 rows, n_heads, n_kv_heads, head_dim, window, out.data_ptr(),
+                                 threads or torch.get_num_threads())
+    return out
 
 
 @dataclass
@@ -214,7 +134,9 @@ def linear_view(module: nn.Module) -> LinearView:
         raise ValueError("weights are not on the CPU")
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float().contiguous()
-    if isinstance(module, Int4Linear):
+    if isinstance(module, NativeInt4Linear):  # the blocks, read in place
+        weight, scales, fmt = module.weight, None, FORMAT_Q4
+    elif isinstance(module, Int4Linear):
         if module.group_size != GROUP:
             raise ValueError(f"int4 group size {module.group_size} (native kernels: {GROUP})")
         weight = pack_int4_blocks(module.unpack_codes().cpu(), module.scales_and_zeros.cpu())
@@ -250,6 +172,18 @@ def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
     return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
+def prefill_linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
+                   library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` (..., K) float32 through the prefill product (``hl_prefill_linear``: dequantized
+    panels from a few rows on) -> (..., N) float32."""
+    rows = x.reshape(-1, view.struct.in_features).float().contiguous()  # (M, K)
+    out = torch.empty(rows.shape[0], view.struct.out_features, dtype=torch.float32)  # (M, N)
+    library = _declare(library) if library is not None else kernels()
+    library.hl_prefill_linear(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0],
+                              threads or torch.get_num_threads())
+    return out.reshape(*x.shape[:-1], view.struct.out_features)
+
+
 # ---- threads -------------------------------------------------------------------------------
 class DecodeTeam:
     """The thread count of each native call and the kernels' wait policy, from a
@@ -280,10 +214,11 @@ def rows_in_place(caches: list[KVCache], layer_indices: list[int], rows: int) ->
     return len(caches) == rows and all(c.supports_in_place(i) for c in caches for i in layer_indices)
 
 
-def claim_slots(caches: list[KVCache], layer_idx: int, out: ctypes.Array) -> None:
-    """Claim this token's row of a layer in each row's cache, described into ``out`` (rows,)."""
+def claim_slots(caches: list[KVCache], layer_idx: int, out: ctypes.Array, n_new: int = 1) -> None:
+    """Claim ``n_new`` rows of a layer in each cache (this step's tokens), each cache's slot
+    described into ``out`` (its first entries: one per cache)."""
     for entry, cache in zip(out, caches):
-        slot = cache.in_place_slot(layer_idx, 1)
+        slot = cache.in_place_slot(layer_idx, n_new)
         entry.keys, entry.values = slot.keys.data_ptr(), slot.values.data_ptr()
         entry.capacity, entry.start = slot.keys.shape[2], slot.start
         entry.kv_dtype = KV_DTYPES[slot.keys.dtype]
@@ -297,7 +232,7 @@ def rotary_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
 
 # ---- one decoder layer ---------------------------------------------------------------------
 class NativeDecodeLayer:
-    """A decoder layer's one-token step in one kernel call; owns the weight copies it reads."""
+    """A decoder layer's one-token step in one kernel call, reading the layer's weights in place."""
 
     def __init__(self, layer: nn.Module, library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -316,8 +251,8 @@ class NativeDecodeLayer:
             raise ValueError("norms are not float32 on the CPU")
         views = [linear_view(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         owned = {t.data_ptr() for t in itertools.chain(layer.parameters(), layer.buffers())}
-        # int4 block copies are real host memory: the tier accounting counts them
-        self.copies = [t for view in views for t in view.keep if t.data_ptr() not in owned]
+        if any(view.struct.weight not in owned for view in views):  # (int8 row scales may be float32 copies)
+            raise ValueError("weights not held in the kernels' layout (e.g. int4 with groups other than 32)")
         self.library = library
         self.team = team if team is not None else DecodeTeam(library)
         self.layer_idx = attn.layer_idx
@@ -326,11 +261,6 @@ class NativeDecodeLayer:
             norms[0].data_ptr(), norms[1].data_ptr(), layer.input_layernorm.eps,
             attn.n_heads, attn.n_kv_heads, attn.head_dim, norms[0].numel(), mlp.down_proj.in_features)
         self._keep = [t for view in views for t in view.keep]
-
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes of the weight copies this step made (0 where it reads the weights in place)."""
-        return sum(t.numel() * t.element_size() for t in self.copies)
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              cache: KVCache | BatchedCaches) -> torch.Tensor:
@@ -412,6 +342,38 @@ class NativeModel:
                                      ctypes.byref(self.head.view.struct), logits.data_ptr(), self.team.threads())
         return logits
 
+    def applies_prefill(self, input_ids: torch.Tensor, x: torch.Tensor, cache: KVCache | BatchedCaches) -> bool:
+        """A prefill chunk (one sequence, several tokens) whose cache serves every layer in place."""
+        return (input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] > 1
+                and input_ids.device.type == "cpu" and x.dtype == torch.float32
+                and rows_in_place(row_caches(cache), [layer.layer_idx for layer in self.layers], 1))
+
+    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchedCaches,
+                all_logits: bool = False) -> torch.Tensor:
+        """x: a chunk's embeddings (1, T, hidden) float32 -> logits (1, T or 1, vocab) float32.
+
+        The chunk's T positions run every layer in one call (``hl_prefill_model``): products
+        through dequantized weight panels, causal query-tiled attention over the cache; each
+        layer's keys and values are written at their positions of the cache."""
+        rows, n_layers = x.shape[1], len(self.layers)
+        [cache] = row_caches(cache)
+        slots = (HLLayerCache * (n_layers * rows))()  # (n_layers, T), layer-major: row t at start + t
+        for i, layer in enumerate(self.layers):
+            layer_slots = (HLLayerCache * rows).from_buffer(slots, i * rows * _SLOT_BYTES)
+            claim_slots([cache], layer.layer_idx, layer_slots, n_new=rows)
+            for t in range(1, rows):
+                ctypes.memmove(ctypes.byref(layer_slots[t]), ctypes.byref(layer_slots[0]), _SLOT_BYTES)
+                layer_slots[t].start += t
+        x = x.reshape(rows, -1).float().clone()  # (T, hidden), overwritten by the kernel
+        logit_rows = rows if all_logits else 1
+        logits = torch.empty(1, logit_rows, self.head.view.struct.out_features, dtype=torch.float32)  # (1, T|1, vocab)
+        cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
+        self.library.hl_prefill_model(self.structs, slots, n_layers, rows, x.data_ptr(), cos.data_ptr(),
+                                      sin.data_ptr(), self.final_norm.weight.data_ptr(), self.final_norm.eps,
+                                      ctypes.byref(self.head.view.struct), logits.data_ptr(), logit_rows,
+                                      self.team.threads())
+        return logits
+
 
 # ---- building the steps of a model -----------------------------------------------------------
 @dataclass
@@ -422,7 +384,6 @@ class NativeReport:
     head: bool = False
     whole_step: bool = False  # one kernel call per token (every layer and the head native)
     build_seconds: float = 0.0
-    copy_bytes: int = 0
     skipped: list[str] = field(default_factory=list)
 
 
@@ -441,12 +402,15 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     """Native decode steps for every CPU-resident float32 layer (and the head) of ``model``.
 
     The kernels read one stacked q/k/v and gate/up matrix per layer (a ``ConcatLinear`` keeps
-    its PyTorch step). The model is not changed. Raises :class:`KernelBuildError` when the
-    kernels cannot be built; layers the kernels do not support are listed in
-    ``report.skipped`` and keep their PyTorch step.
+    its PyTorch step). Once the kernels are built, the host int4 layers move into the kernels'
+    block layout (:func:`~hybridllm.kernels.native_linear.hold_int4_natively`: their one copy,
+    which prefill, decode and any other path read); nothing else in the model changes. Raises
+    :class:`KernelBuildError` when the kernels cannot be built (the model is then untouched);
+    layers the kernels do not support are listed in ``report.skipped`` and keep their PyTorch step.
     """
     loaded: LoadedLibrary = load_decode_library()
     library = _declare(loaded.library)
+    hold_int4_natively(model)
     report = NativeReport(build_seconds=loaded.build_seconds)
     team = DecodeTeam(library)
     layers: dict[int, NativeDecodeLayer] = {}
@@ -460,7 +424,6 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
             continue
         layers[native.layer_idx] = native
         report.layers += 1
-        report.copy_bytes += native.copy_bytes
     head = None
     if model.config.final_logit_softcapping is not None:
         report.skipped.append("head: soft-capped logits (Gemma 2) have no native kernel")
@@ -481,6 +444,8 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     return NativeSteps(layers, head, whole, report, team)
 
 
-__all__ = ["DecodeTeam", "KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeModel", "NativeReport",
-           "NativeSteps", "attention", "build_native_steps", "float32_view", "linear", "linear_view", "pack_int4_blocks",
-           "row_caches"]
+__all__ = ["FORMAT_F32", "FORMAT_Q4", "FORMAT_Q8_GROUPS", "FORMAT_Q8_ROWS", "GROUP", "KV_DTYPES", "MAX_HEAD_DIM",
+           "ROWS", "DecodeTeam", "HLDecoderLayer", "HLLayerCache", "HLLinear", "KernelBuildError", "NativeDecodeLayer",
+           "NativeHead", "NativeInt4Linear", "NativeModel", "NativeReport", "NativeSteps", "attention",
+           "build_native_steps", "float32_view", "kernel_isa", "kernels", "linear", "linear_view", "pack_int4_blocks",
+           "prefill_attention", "prefill_linear", "row_caches"]

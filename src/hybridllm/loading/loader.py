@@ -17,6 +17,7 @@ import torch
 from hybridllm.loading.quantized_loader import load_quantized_model
 from hybridllm.loading.skeleton import HEAD, assemble, load_tensors, prepare_skeleton, progress
 from hybridllm.models.llama import LlamaForCausalLM
+from hybridllm.models.quantized import Int4Linear
 from hybridllm.timing import ColdStart, synchronize
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -30,6 +31,7 @@ def load_model(
     show_progress: bool | None = None,
     weights: str = "float",
     fuse: bool = True,
+    int4_layout: type[Int4Linear] = Int4Linear,
 ) -> LlamaForCausalLM:
     """Build the model of ``checkpoint`` with every parameter on ``device_for(name)`` in ``dtype``.
 
@@ -43,9 +45,12 @@ def load_model(
             matrices quantized (see ``hybridllm.loading.quantized_loader``).
         fuse: stack q/k/v and gate/up into one matrix each; False keeps the parts separate
             (the same layout, one kernel per part: ``hybridllm.models.fuse.ConcatLinear``).
+        int4_layout: the class of int4 layers on the CPU (``Int4Linear``: PyTorch's packed layout;
+            the runtime passes the native kernels' ``NativeInt4Linear`` when they decode).
     """
     if weights != "float":
-        return load_quantized_model(checkpoint, dtype, device_for, cold_start, show_progress, weights, fuse)
+        return load_quantized_model(checkpoint, dtype, device_for, cold_start, show_progress, weights, fuse,
+                                    int4_layout)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
     skeleton = prepare_skeleton(checkpoint, show_progress)

@@ -125,8 +125,11 @@ def load_quantized_model(
     show_progress: bool | None = None,
     weights: str = "auto",
     fuse: bool = True,
+    int4_layout: type[Int4Linear] = Int4Linear,
 ) -> LlamaForCausalLM:
-    """Like :func:`hybridllm.loading.loader.load_model`, with weights kept quantized per ``weights``."""
+    """Like :func:`hybridllm.loading.loader.load_model`, with weights kept quantized per ``weights``;
+    int4 matrices on the CPU are built as ``int4_layout`` (an ``Int4Linear`` class: PyTorch's packed
+    layout, or the native kernels' blocks), matrices on other devices as ``Int4Linear``."""
     check_weights_mode(weights)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
@@ -149,7 +152,8 @@ def load_quantized_model(
             type_name, fmt = types[param_name], formats[param_name]
             module = None
             if fmt != "float":
-                module, why = _build(checkpoint, file_name, param_name, raw, fmt, type_name, dtype, device)
+                int4 = int4_layout if device.type == "cpu" else Int4Linear
+                module, why = _build(checkpoint, file_name, param_name, raw, fmt, type_name, dtype, device, int4)
                 if module is None:
                     fallbacks[(f"{fmt} ({why})", type_name)] += 1
             elif weights == "auto" and _is_linear_weight(param_name) and type_name not in FLOAT_TYPES:
@@ -238,7 +242,7 @@ def _float_matrix(checkpoint, file_name: str, raw, rows: torch.Tensor | None) ->
 
 
 def _build(checkpoint, file_name: str, param_name: str, raw, fmt: str, type_name: str, dtype: torch.dtype,
-           device: torch.device) -> tuple[nn.Module | None, str]:
+           device: torch.device, int4: type[Int4Linear] = Int4Linear) -> tuple[nn.Module | None, str]:
     """The quantized module of one weight, or (None, why) when no kernel runs its shape on ``device``."""
     shape = checkpoint.tensors[file_name].shape if getattr(checkpoint, "file_format", None) == "gguf" else raw.shape
     n, k = int(shape[0]), int(shape[-1])
@@ -248,8 +252,8 @@ def _build(checkpoint, file_name: str, param_name: str, raw, fmt: str, type_name
     rows = _raw_rows(checkpoint, file_name, raw)
     if fmt == "int4":
         if rows is not None and type_name in INT4_TYPES:
-            return Int4Linear.from_int4_rows(unpack_int4(rows, type_name), device=device), ""
-        return Int4Linear.from_float(_float_matrix(checkpoint, file_name, raw, rows), device=device), ""
+            return int4.from_int4_rows(unpack_int4(rows, type_name), device=device), ""
+        return int4.from_float(_float_matrix(checkpoint, file_name, raw, rows), device=device), ""
     if fmt == "int8-groups":
         codes, scales = _int8_group_rows(checkpoint, file_name, raw, rows, type_name)
         if param_name == EMBEDDING:

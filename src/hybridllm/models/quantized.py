@@ -152,6 +152,12 @@ def _cpu_nibble_order(n: int, k: int) -> torch.Tensor | None:
     return order if torch.equal(unpacked.to(torch.int64), check) else None
 
 
+def release_unpack_tables() -> None:
+    """Forget the nibble orders learnt by :meth:`Int4Linear.unpack_codes` (int32 per weight of
+    each shape): call after a model's layers have been unpacked once (a layout conversion)."""
+    _cpu_nibble_order.cache_clear()
+
+
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x (M, K) in the kernel dtype -> (M, N)."""
     if packed.device.type == "cuda":
@@ -247,7 +253,33 @@ class Int4Linear(nn.Module):
         zero = rows.offset + 8.0 * rows.scale  # (q - 8) * scale + zero == scale * q + offset
         scales_and_zeros = torch.stack((rows.scale.t(), zero.t()), dim=-1)  # (G, N, 2)
         scales_and_zeros = scales_and_zeros.to(device=device, dtype=kernel_dtype).contiguous()
-        return cls(k, n, _int4_pack(rows.q, device), scales_and_zeros, group_size, bias)
+        return cls.from_codes(rows.q, scales_and_zeros, group_size, bias, device)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = GROUP_SIZE,
+                   bias: torch.Tensor | None = None, device: torch.device | str = "cpu") -> Int4Linear:
+        """From (N, K) codes 0..15 and (K / group, N, 2) scale/zero in the kernel dtype (stored as given)."""
+        device = torch.device(device)
+        n, k = codes.shape
+        return cls(k, n, _int4_pack(codes, device), scales_and_zeros.to(device), group_size, bias)
+
+    @classmethod
+    def concat(cls, parts: list[Int4Linear]) -> Int4Linear | None:
+        """One layer computing ``cat([p(x) for p in parts], -1)`` (the codes read back exactly),
+        or None when the parts differ in device, group size or kernel dtype."""
+        devices = {p.weight.device for p in parts}
+        settings = {(p.group_size, p.kernel_dtype) for p in parts}
+        if len(devices) != 1 or len(settings) != 1:
+            return None
+        device, (group_size, _) = devices.pop(), settings.pop()
+        codes = torch.cat([p.unpack_codes() for p in parts], dim=0)  # (N_total, K) uint8, exact
+        scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1).contiguous()  # (G, N_total, 2)
+        biases = [p.bias for p in parts if p.bias is not None]
+        bias = None if not biases else torch.cat([
+            p.bias.detach() if p.bias is not None else torch.zeros(p.out_features, dtype=biases[0].dtype, device=device)
+            for p in parts
+        ])
+        return cls.from_codes(codes, scales_and_zeros, group_size, bias, device)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, device: torch.device | str = "cpu",

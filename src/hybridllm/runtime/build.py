@@ -7,7 +7,8 @@ Every front end builds through here: the ``LLM`` facade (and so the CLI, the ser
 bench worker), the hardware probe of the engine's own decode path and the perplexity
 evaluation. The steps, each timed into the cold start:
 
-1. load every weight straight onto its tier's device (``loading``), in one projection layout;
+1. load every weight straight onto its tier's device (``loading``), in one projection layout
+   (host int4 layers straight into the native kernels' blocks when they will run: one copy);
 2. give a tied head its own copy when the head's tier differs from the embedding's;
 3. build the model runner: per-tier layer segments, hop counting, the decode backend;
 4. the tokenizer;
@@ -28,7 +29,10 @@ from hybridllm.config import EngineConfig, KVConfig
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.factory import check_attention_options
 from hybridllm.loading.loader import load_model
-from hybridllm.models.quantized import check_weights_mode, weights_format
+from hybridllm.kernels.abi import kernels
+from hybridllm.kernels.build import KernelBuildError
+from hybridllm.kernels.native_linear import NativeInt4Linear
+from hybridllm.models.quantized import Int4Linear, check_weights_mode, weights_format
 from hybridllm.placement.apply import (
     TierDevices,
     all_on_host,
@@ -38,7 +42,7 @@ from hybridllm.placement.apply import (
 )
 from hybridllm.placement.placement import TIER_NAMES, Placement
 from hybridllm.runtime.backends import AUTO, check_backend_name
-from hybridllm.runtime.runner import ModelRunner, build_runner
+from hybridllm.runtime.runner import ModelRunner, build_runner, choose_backend
 from hybridllm.runtime.runtime import Runtime
 from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
 from hybridllm.timing import ColdStart
@@ -116,7 +120,8 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     cold_start = ColdStart()
     devices = TierDevices(engine_config.torch_device)
     model = load_model(checkpoint, engine_config.torch_dtype, weight_device_for(placement, devices), cold_start,
-                       options.show_progress, weights=placement.weights, fuse=options.fuse)
+                       options.show_progress, weights=placement.weights, fuse=options.fuse,
+                       int4_layout=host_int4_layout(choose_backend(options.decode_backend, placement, devices)))
     place_tied_head(model, placement, devices)
     runner = build_runner(model, placement, devices, options.decode_backend)
     cold_start.compile_s = runner.report.seconds
@@ -128,12 +133,12 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         """The host runner of phase migration: a host copy of the device weights, its own backend."""
         host_runner = build_runner(host_decode_model(model, devices), all_on_host(placement), devices,
                                    options.decode_backend)
-        return host_runner, weight_bytes_per_tier(host_runner.model, host_runner.placement, host_runner.backend)
+        return host_runner, weight_bytes_per_tier(host_runner.model, host_runner.placement)
 
     runtime = Runtime(
         checkpoint=checkpoint, config=checkpoint.config, engine_config=engine_config, placement=placement,
         devices=devices, tokenizer=tokenizer, runner=runner, cold_start=cold_start,
-        weight_bytes=weight_bytes_per_tier(model, placement, runner.backend), decode_weight_bytes=0,
+        weight_bytes=weight_bytes_per_tier(model, placement), decode_weight_bytes=0,
         weights_format=weights_format(model), build_host_runner=build_host_runner,
     )
     check_attention_options(placement.kv.kv_cache, runtime.kv_spec())  # one line now, not at the first request
@@ -142,12 +147,25 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         runtime.migration()
         cold_start.host_copy_s = time.perf_counter() - t0
     decoding = runtime.host_runner if runtime.host_runner is not None else runner
-    runtime.decode_weight_bytes = decode_weight_bytes(decoding.model, decoding.placement, decoding.backend)
+    runtime.decode_weight_bytes = decode_weight_bytes(decoding.model, decoding.placement)
     if decoding.backend.compiles_lazily:
         t0 = time.perf_counter()
         warm_up(runtime)
         cold_start.compile_s += time.perf_counter() - t0
     return runtime
+
+
+def host_int4_layout(backend: str) -> type[Int4Linear]:
+    """The class the host's int4 layers load as: the native kernels' blocks when the native
+    backend runs and its kernels build (their one copy, read by prefill and decode), else
+    PyTorch's packed layout (``build_runner`` then says why native decode is off)."""
+    if backend != "native":
+        return Int4Linear
+    try:
+        kernels()
+    except KernelBuildError:
+        return Int4Linear
+    return NativeInt4Linear
 
 
 def warm_up(runtime: Runtime) -> None:

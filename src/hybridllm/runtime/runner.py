@@ -11,7 +11,8 @@ runs of layers on one tier and device), moves the hidden states at segment bound
 counts their bytes where the tier changes, even when the CPU plays the device (tiers are
 logical; the figures are the ones a real device would show).
 
-Prefill chunks (T > 1) run the model's own layer code; decode steps (T == 1) go through the
+Prefill chunks (T > 1) go to the backend's whole-chunk call where it has one that applies (the
+native backend), else through the model's own layer code; decode steps (T == 1) go through the
 backend: a whole-token call where it has one that applies, else layer by layer.
 """
 
@@ -84,8 +85,9 @@ class ModelRunner:
         self.report = report or RunnerReport(backend.name, backend.name)
         self.hop_bytes = 0
         self.segments = _segments(model, placement)
-        tiers = [placement.embed_tier, *placement.layer_tiers, placement.head_tier]
-        self._tier_changes = sum(a != b for a, b in zip(tiers, tiers[1:]))
+        body = [placement.embed_tier, *placement.layer_tiers]  # every position crosses these changes
+        self._body_changes = sum(a != b for a, b in zip(body, body[1:]))
+        self._head_changes = int(body[-1] != placement.head_tier)  # only the positions whose logits are wanted
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -108,12 +110,15 @@ class ModelRunner:
         decode = seq == 1
         x = model.embed(input_ids)  # (B, T, hidden)
         tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        tables[x.device] = model.rotary_tables(start_pos, seq, x.dtype, x.device)
         if decode:
-            tables[x.device] = model.rotary_tables(start_pos, seq, x.dtype, x.device)
             logits = backend.token_step(input_ids, x, *tables[x.device], cache)
-            if logits is not None:  # the whole token in one call: the hops it made are the placement's
-                self.hop_bytes += self._tier_changes * x.numel() * x.element_size()
-                return logits
+        else:
+            logits = backend.prefill_step(input_ids, x, *tables[x.device], cache, all_logits)
+        if logits is not None:  # the whole forward in one call: the hops it made are the placement's
+            position_bytes = x.shape[-1] * x.element_size() * x.shape[0]
+            self.hop_bytes += position_bytes * (self._body_changes * seq + self._head_changes * logits.shape[1])
+            return logits
         tier = self.placement.embed_tier
         for segment in self.segments:
             x = self._hop(x, segment.device, tier != segment.tier)
@@ -150,6 +155,15 @@ def _segments(model: LlamaForCausalLM, placement: Placement) -> list[Segment]:
     return [Segment(tier, device, tuple(layers)) for tier, device, layers in runs]
 
 
+def choose_backend(backend: str, placement: Placement, devices: TierDevices) -> str:
+    """The backend a runner gets: the name asked for, or for "auto" native when any layer or the
+    head computes on the CPU, else eager (before knowing whether the native kernels build)."""
+    if backend != AUTO:
+        return backend
+    computing = [*placement.layer_tiers, placement.head_tier]  # the pieces a decode step computes on
+    return "native" if any(devices.of(tier).type == "cpu" for tier in computing) else "eager"
+
+
 def build_runner(model: LlamaForCausalLM, placement: Placement, devices: TierDevices,
                  backend: str = AUTO) -> ModelRunner:
     """The runner of ``model`` placed by ``placement``, with its decode backend built.
@@ -166,10 +180,7 @@ def build_runner(model: LlamaForCausalLM, placement: Placement, devices: TierDev
     """
     check_backend_name(backend)
     t0 = time.perf_counter()
-    chosen = backend
-    if backend == AUTO:
-        computing = [*placement.layer_tiers, placement.head_tier]  # the pieces a decode step computes on
-        chosen = "native" if any(devices.of(tier).type == "cpu" for tier in computing) else "eager"
+    chosen = choose_backend(backend, placement, devices)
     notes: list[str] = []
     try:
         built = backend_class(chosen)(model)

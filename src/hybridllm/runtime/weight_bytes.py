@@ -1,8 +1,8 @@
 """Weight bytes per tier of a placed model, and what one decode step reads.
 
 The figures the metrics, the bench and the planner's accuracy check report: bytes of parameters
-and quantized buffers per tier of a :class:`~hybridllm.placement.placement.Placement`, plus the
-weight copies a decode backend holds for its own kernels (the native int4 blocks).
+and quantized buffers per tier of a :class:`~hybridllm.placement.placement.Placement` (every
+weight is held once, in the layout its kernels read: the native int4 blocks included).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import itertools
 from torch import nn
 
 from hybridllm.models.llama import LlamaForCausalLM
-from hybridllm.models.quantized import Int4Linear
 from hybridllm.placement.placement import Placement
-from hybridllm.runtime.backends.base import DecodeBackend
 
 
 def module_tiers(model: LlamaForCausalLM, placement: Placement) -> list[tuple[nn.Module, str]]:
@@ -26,10 +24,8 @@ def module_tiers(model: LlamaForCausalLM, placement: Placement) -> list[tuple[nn
     return pieces
 
 
-def weight_bytes_per_tier(model: LlamaForCausalLM, placement: Placement,
-                          backend: DecodeBackend | None = None) -> dict[str, int]:
-    """Bytes of weights (parameters and quantized buffers) per tier of ``placement``, plus the
-    weight copies a decode ``backend`` holds (the native kernels' int4 blocks) in their layer's tier.
+def weight_bytes_per_tier(model: LlamaForCausalLM, placement: Placement) -> dict[str, int]:
+    """Bytes of weights (parameters and quantized buffers) per tier of ``placement``.
 
     Tiers are logical: a tensor shared within a tier (a tied head) counts once, but a tier's
     own copy counts in that tier even where both tiers are the CPU (CPU as the device), so the
@@ -44,21 +40,10 @@ def weight_bytes_per_tier(model: LlamaForCausalLM, placement: Placement,
                 continue
             seen.add(key)
             out[tier] += tensor.numel() * tensor.element_size()
-    if backend is not None:
-        for layer_idx, nbytes in backend.layer_copy_bytes().items():
-            out[placement.layer_tiers[layer_idx]] += nbytes
     return out
 
 
-def decode_weight_bytes(model: LlamaForCausalLM, placement: Placement, backend: DecodeBackend) -> int:
+def decode_weight_bytes(model: LlamaForCausalLM, placement: Placement) -> int:
     """Weight bytes one decode step reads: every weight once (as counted by
-    :func:`weight_bytes_per_tier`), less the PyTorch-packed int4 weights of layers whose decode
-    step reads the backend's own copy instead (``hybridllm.kernels.native``)."""
-    total = sum(weight_bytes_per_tier(model, placement, backend).values())
-    for layer in model.model.layers:
-        if not backend.reads_copy(layer.self_attn.layer_idx):
-            continue
-        for module in layer.modules():
-            if isinstance(module, Int4Linear):
-                total -= sum(t.numel() * t.element_size() for t in (module.weight, module.scales_and_zeros))
-    return total
+    :func:`weight_bytes_per_tier`; no backend keeps a second copy to read instead)."""
+    return sum(weight_bytes_per_tier(model, placement).values())

@@ -1,8 +1,10 @@
 """The decode backend contract: how a decode step (one token per sequence) runs.
 
 The runner (:class:`hybridllm.runtime.runner.ModelRunner`) walks the layers tier by tier and
-hands every decode step's layers, and every forward's head, to its backend. A backend is built
-once for a model (at build time, not per step) and never changes the model.
+hands every decode step's layers, and every forward's head, to its backend; a backend may also
+run a whole prefill chunk. A backend is built once for a model (at build time, not per step)
+and never changes what the model computes; it may hold weights in the layout its kernels read
+(the native backend keeps host int4 layers as its kernels' blocks: their one copy).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ class BackendReport:
         head: whether the head's one-row product runs in the backend's own kernel.
         whole_step: whether a whole decode step can run in one call.
         build_seconds: compiling the backend's kernels (0: cached or none).
-        copy_bytes: bytes of weight copies the backend made for its kernels.
         skipped: pieces that keep the PyTorch step, with why.
         notes: anything else worth a line.
     """
@@ -35,7 +36,6 @@ class BackendReport:
     head: bool = False
     whole_step: bool = False
     build_seconds: float = 0.0
-    copy_bytes: int = 0
     skipped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -60,6 +60,13 @@ class DecodeBackend(Protocol):
         does not apply here): the runner then walks the layers. ``x``: the embedding (B, 1, hidden)."""
         ...
 
+    def prefill_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: KVCache, all_logits: bool) -> torch.Tensor | None:
+        """Logits (1, T or 1, vocab) of a whole prefill chunk (T > 1 tokens of one sequence) in
+        one call, or None: the runner then runs the model's own layers. ``x``: the embedding
+        (1, T, hidden); ``all_logits``: every position's logits, else the last one's."""
+        ...
+
     def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache) -> torch.Tensor:
         """One layer of a decode step: x (B, 1, hidden) -> (B, 1, hidden)."""
@@ -67,15 +74,6 @@ class DecodeBackend(Protocol):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Float32 logits (B, T, vocab) of normed hidden states (B, T, hidden) (every forward)."""
-        ...
-
-    def layer_copy_bytes(self) -> dict[int, int]:
-        """Bytes of weight copies the backend holds per layer index (counted in that layer's tier)."""
-        ...
-
-    def reads_copy(self, layer_idx: int) -> bool:
-        """Whether the layer's decode step reads the backend's copy instead of the model's packed
-        quantized weights (what one decode step reads: ``placement.apply.decode_weight_bytes``)."""
         ...
 
     def check_placement(self, placement: Placement) -> None:

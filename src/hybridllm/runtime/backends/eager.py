@@ -24,18 +24,16 @@ class EagerBackend:
                    cache: KVCache) -> torch.Tensor | None:
         return None
 
+    def prefill_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: KVCache, all_logits: bool) -> torch.Tensor | None:
+        return None
+
     def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache) -> torch.Tensor:
         return layer(x, cos, sin, cache)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.head(x)
-
-    def layer_copy_bytes(self) -> dict[int, int]:
-        return {}
-
-    def reads_copy(self, layer_idx: int) -> bool:
-        return False
 
     def check_placement(self, placement: Placement) -> None:
         return None  # the model's own layers serve every placement

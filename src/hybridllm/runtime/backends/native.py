@@ -2,7 +2,8 @@
 
 Built once per model (:func:`hybridllm.kernels.native.build_native_steps`): a native step per
 CPU-resident float32 layer with stacked projections, the head, and the whole token in one call
-when every layer and the head are native. Each step runs natively only where it applies (one
+when every layer and the head are native; then a prefill chunk of one sequence also runs in one
+call (``hl_prefill_model``). Host int4 layers are held once, in the kernels' block layout. Each step runs natively only where it applies (one
 token per row, float32 activations on the CPU, each row's cache writable in place; a batch of
 rows runs in one call, each row's logits bitwise as alone); otherwise that step runs the
 layer's PyTorch code, exactly as the eager backend would.
@@ -32,7 +33,7 @@ class NativeBackend(EagerBackend):
         self.steps = build_native_steps(model)
         built = self.steps.report
         self.report = BackendReport(kernel_layers=built.layers, head=built.head, whole_step=built.whole_step,
-                                    build_seconds=built.build_seconds, copy_bytes=built.copy_bytes,
+                                    build_seconds=built.build_seconds,
                                     skipped=list(built.skipped))
         if built.layers == 0:
             self.report.notes.append("native decode: no host layer got a native step (reasons in skipped)")
@@ -43,6 +44,13 @@ class NativeBackend(EagerBackend):
         if whole is None or not whole.applies(input_ids, x, cache):
             return None
         return whole.decode(x, cos, sin, cache)
+
+    def prefill_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: KVCache, all_logits: bool) -> torch.Tensor | None:
+        whole = self.steps.whole
+        if whole is None or not whole.applies_prefill(input_ids, x, cache):
+            return None
+        return whole.prefill(x, cos, sin, cache, all_logits)
 
     def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache) -> torch.Tensor:
@@ -56,9 +64,3 @@ class NativeBackend(EagerBackend):
         if native is not None and native.applies(x):
             return native(x)
         return self.model.head(x)
-
-    def layer_copy_bytes(self) -> dict[int, int]:
-        return {idx: step.copy_bytes for idx, step in self.steps.layers.items() if step.copy_bytes}
-
-    def reads_copy(self, layer_idx: int) -> bool:
-        return layer_idx in self.steps.layers
