@@ -1217,9 +1217,10 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
 // x_in, x_out: (rows, hidden), x_in may alias x_out; cos/sin: (rows, D) rotary tables of each
 // row's position. Each weight matrix is read once for all rows; each row's arithmetic is the
 // same whatever the other rows and the team size.
-// With ws.prefill the rows are one sequence's consecutive positions (a prefill chunk: caches[r]
-// are the same buffers at start caches[0].start + r): the products go through dequantized
-// panels and the attention is the chunk's causal, query-tiled kernel (prefill_attention.h).
+// With ws.prefill the rows are one sequence's consecutive positions (a prefill chunk: caches
+// holds one entry, the layer's cache with start = the first row's position): the products go
+// through dequantized panels and the attention is the chunk's causal, query-tiled kernel
+// (prefill_attention.h).
 void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x_in, float* x_out,
                        const HLLayerCache* caches, int64_t rows, const float* cos, const float* sin, Workspace& ws,
                        std::vector<float>& scores) {
@@ -1235,10 +1236,11 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
   PHASE_END(team, QKV);
   for (int64_t r = mine.first; r < mine.last; ++r) {
     float* qkv = ws.qkv.data() + r * qkv_size;
-    const HLLayerCache& c = caches[r];
+    const HLLayerCache& c = ws.prefill ? caches[0] : caches[r];  // prefill: one cache, row r at start + r
+    const int64_t position = ws.prefill ? c.start + r : c.start;
     for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos + r * d, sin + r * d, d);
     for (int64_t kv_head = 0; kv_head < w.n_kv_heads; ++kv_head) {
-      const int64_t row = (kv_head * c.capacity + c.start) * d;
+      const int64_t row = (kv_head * c.capacity + position) * d;
       store_row(c.keys, c.kv_dtype, row, qkv + q_size + kv_head * d, d);
       store_row(c.values, c.kv_dtype, row, qkv + q_size + kv_size + kv_head * d, d);
     }
@@ -1362,8 +1364,9 @@ void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, i
 
 // A prefill chunk of one sequence after the embedding: `rows` consecutive positions through
 // every layer in one team, then the final norm and the head for the last `logit_rows` rows.
-// caches: (n_layers, rows), layer-major, row r of a layer at position caches[0].start + r of
-// the same buffers; x (rows, hidden) is overwritten; cos/sin (rows, D); logits (logit_rows, N).
+// caches: (n_layers,), each layer's cache with start = the chunk's first position (its rows
+// start .. start + rows - 1 are written); x (rows, hidden) is overwritten; cos/sin (rows, D);
+// logits (logit_rows, N).
 void hl_prefill_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, int64_t rows,
                       float* x, const float* cos, const float* sin, const float* final_norm, float eps,
                       const HLLinear* head, float* logits, int64_t logit_rows, int32_t n_threads) {
@@ -1372,7 +1375,7 @@ void hl_prefill_model(const HLDecoderLayer* layers, const HLLayerCache* caches, 
   run_team(n_threads, [&](const Team& team) {
     std::vector<float> scores;
     for (int64_t i = 0; i < n_layers; ++i)
-      decode_layer_team(team, layers[i], x, x, caches + i * rows, rows, cos, sin, ws, scores);
+      decode_layer_team(team, layers[i], x, x, caches + i, rows, cos, sin, ws, scores);
     const Share mine(logit_rows, team);
     for (int64_t r = mine.first; r < mine.last; ++r)
       rms_norm(x + (first + r) * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);

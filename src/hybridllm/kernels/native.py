@@ -357,13 +357,9 @@ class NativeModel:
         layer's keys and values are written at their positions of the cache."""
         rows, n_layers = x.shape[1], len(self.layers)
         [cache] = row_caches(cache)
-        slots = (HLLayerCache * (n_layers * rows))()  # (n_layers, T), layer-major: row t at start + t
+        slots = (HLLayerCache * n_layers)()  # each layer's slot: rows start .. start + T - 1
         for i, layer in enumerate(self.layers):
-            layer_slots = (HLLayerCache * rows).from_buffer(slots, i * rows * _SLOT_BYTES)
-            claim_slots([cache], layer.layer_idx, layer_slots, n_new=rows)
-            for t in range(1, rows):
-                ctypes.memmove(ctypes.byref(layer_slots[t]), ctypes.byref(layer_slots[0]), _SLOT_BYTES)
-                layer_slots[t].start += t
+            claim_slots([cache], layer.layer_idx, (HLLayerCache * 1).from_buffer(slots, i * _SLOT_BYTES), n_new=rows)
         x = x.reshape(rows, -1).float().clone()  # (T, hidden), overwritten by the kernel
         logit_rows = rows if all_logits else 1
         logits = torch.empty(1, logit_rows, self.head.view.struct.out_features, dtype=torch.float32)  # (1, T|1, vocab)

@@ -2,16 +2,18 @@
 // (the keys before the chunk and the chunk's own, already written), flash-attention style.
 //
 // Included by decode.cpp (one translation unit): uses its HLLayerCache, vectors, exp_clamped,
-// load_lanes (float32 or float16 KV read as stored), Team.
+// to_float (float32 or float16 KV read as stored), Team.
 //
 // Work items are (block of QUERY_ROWS positions, KV head): the queries of every head sharing
 // the KV head at those positions (QUERY_ROWS x group vectors) go through the keys in blocks of
-// KEYS keys: each key block is transposed once (keys along the vector lanes), then every query
-// vector's scores for the block are lanes of a few registers, the softmax runs online (running
-// max and sum per query vector), and the values are accumulated with the outputs of a few query
-// vectors in registers. Each key and value row is read once per item instead of once per query.
-// Items go to the threads round-robin (later positions attend to more keys). Float32 arithmetic;
-// the results depend on T and the positions only (not on the team size).
+// KEYS keys. Each key block is converted to float32 once per item, keys transposed (keys along
+// the vector lanes) and values as rows; every query vector's scores for the block are then lanes
+// of a few registers (tiles of SCORE_QUERIES query vectors x SCORE_VECS key vectors), the softmax
+// runs online (running max and sum per query vector), and the values are accumulated in tiles of
+// VALUE_QUERIES query vectors x VALUE_VECS output vectors held in registers. Each key and value
+// row is read from the cache once per item instead of once per query. Items go to the threads
+// round-robin (later positions attend to more keys). Float32 arithmetic; the results depend on
+// T and the positions only (not on the team size).
 
 namespace prefill {
 
@@ -21,15 +23,16 @@ typedef float f32xA __attribute__((vector_size(64)));
 typedef float f32xA __attribute__((vector_size(32)));
 #endif
 constexpr int ALANES = sizeof(f32xA) / sizeof(float);
-constexpr int KEY_VECS = 4;
-constexpr int KEYS = KEY_VECS * ALANES;  // keys per block: 4 registers of scores per query vector
+constexpr int KEYS = 64;  // keys per block
+constexpr int KEY_VECS = KEYS / ALANES;
 constexpr int64_t QUERY_ROWS = 32;
-#if defined(__AVX512F__)
-constexpr int SCORE_QUERIES = 4, VALUE_QUERIES = 4;  // query vectors per register tile
-#else
-constexpr int SCORE_QUERIES = 2, VALUE_QUERIES = 1;
+#if defined(__AVX512F__)  // 32 registers
+constexpr int SCORE_QUERIES = 6, SCORE_VECS = 4;  // 24 accumulators
+constexpr int VALUE_QUERIES = 6, VALUE_VECS = 4;
+#else  // 16 registers
+constexpr int SCORE_QUERIES = 6, SCORE_VECS = 2;  // 12 accumulators, 2 key vectors, 1 broadcast
+constexpr int VALUE_QUERIES = 3, VALUE_VECS = 4;  // 12 accumulators
 #endif
-
 
 inline f32xA load_a(const float* p) { return load<f32xA>(p); }
 
@@ -60,9 +63,72 @@ inline f32xA exp_lanes(f32xA x) {
   return p * scale;
 }
 
+// Lanes t0 .. t0 + ALANES of a key block that lie in [lo, hi) (all bits set), else 0.
+inline i32xA visible_lanes(int64_t t0, int64_t lo, int64_t hi) {
+  i32xA index;
+  for (int i = 0; i < ALANES; ++i) index[i] = static_cast<int32_t>(t0 + i);
+  return (index >= static_cast<int32_t>(lo)) & (index < static_cast<int32_t>(hi));
+}
+
+// max(p[lo .. hi)) over a block's scores (-inf when the range is empty).
+inline float visible_max(const float* p, int64_t lo, int64_t hi) {
+  const f32xA none = f32xA{} - INFINITY;
+  f32xA best = none;
+  for (int64_t t0 = 0; t0 < KEYS; t0 += ALANES) {
+    const f32xA x = visible_lanes(t0, lo, hi) ? load_a(p + t0) : none;
+    best = best > x ? best : x;
+  }
+  float out = best[0];
+  for (int i = 1; i < ALANES; ++i) out = std::max(out, best[i]);
+  return out;
+}
+
+// 8 values from p as float32 lanes (float16: converted).
+inline f32x8t load8(const float* p) { return load<f32x8t>(p); }
+
+inline f32x8t load8(const uint16_t* p) {
+  f32x8t v;
+#if defined(__F16C__)
+  const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&v, &wide, sizeof v);
+#else
+  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
+#endif
+  return v;
+}
+
+// A key block's n_keys rows in float32: keys transposed into keys_t (d, KEYS) (zero past
+// n_keys), values as rows (n_keys, d); 8 x 8 tiles where whole.
+template <typename T>
+void convert_block(const T* keys, const T* values, int64_t n_keys, int64_t d, float* keys_t, float* values_out) {
+  const int64_t n_values = n_keys * d;
+  int64_t j = 0;
+  for (; j + 8 <= n_values; j += 8) {
+    const f32x8t v = load8(values + j);
+    std::memcpy(values_out + j, &v, sizeof v);
+  }
+  for (; j < n_values; ++j) values_out[j] = to_float(values[j]);
+  int64_t t = 0;
+  for (; t + 8 <= n_keys; t += 8) {
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+      f32x8t tile[8];
+      for (int r = 0; r < 8; ++r) tile[r] = load8(keys + (t + r) * d + i);
+      transpose8(tile);
+      for (int c = 0; c < 8; ++c) std::memcpy(keys_t + (i + c) * KEYS + t, &tile[c], sizeof tile[c]);
+    }
+    for (; i < d; ++i)
+      for (int r = 0; r < 8; ++r) keys_t[i * KEYS + t + r] = to_float(keys[(t + r) * d + i]);
+  }
+  for (; t < n_keys; ++t)
+    for (int64_t i = 0; i < d; ++i) keys_t[i * KEYS + t] = to_float(keys[t * d + i]);
+  for (; t < KEYS; ++t)
+    for (int64_t i = 0; i < d; ++i) keys_t[i * KEYS + t] = 0.0f;
+}
+
 // Per-thread scratch of one work item.
 struct AttentionScratch {
-  std::vector<float> q, out, max, sum, rescale, scores, keys_t;
+  std::vector<float> q, out, max, sum, rescale, scores, keys_t, values;
   void reserve(int64_t vectors, int64_t d) {
     q.resize(vectors * d);
     rescale.resize(vectors);
@@ -71,95 +137,88 @@ struct AttentionScratch {
     sum.resize(vectors);
     scores.resize(vectors * KEYS);
     keys_t.resize(d * KEYS);
+    values.resize(KEYS * d);
   }
 };
 
-// scores[v][0..KEYS) = q_v . keys_t[:, t] for VQ query vectors from v0 (keys along the lanes).
-template <int VQ>
-void score_block(const float* q, const float* keys_t, int64_t d, float* scores) {
-  f32xA acc[VQ][KEY_VECS] = {};
+// scores[v][j * ALANES ..] = q_v . keys_t[:, key vector j] for VQ query vectors and KV key vectors
+// (from key vector j0; keys along the lanes).
+template <int VQ, int KV>
+void score_tile(const float* q, const float* keys_t, int64_t d, int j0, float* scores) {
+  f32xA acc[VQ][KV] = {};
   for (int64_t i = 0; i < d; ++i) {
-    f32xA k[KEY_VECS];
-    for (int j = 0; j < KEY_VECS; ++j) k[j] = load_a(keys_t + i * KEYS + j * ALANES);
+    f32xA k[KV];
+    for (int j = 0; j < KV; ++j) k[j] = load_a(keys_t + i * KEYS + (j0 + j) * ALANES);
     for (int v = 0; v < VQ; ++v) {
       const float qi = q[v * d + i];
-      for (int j = 0; j < KEY_VECS; ++j) acc[v][j] += qi * k[j];
+      for (int j = 0; j < KV; ++j) acc[v][j] += qi * k[j];
     }
   }
-  for (int v = 0; v < VQ; ++v) std::memcpy(scores + v * KEYS, acc[v], sizeof acc[v]);
+  for (int v = 0; v < VQ; ++v)
+    for (int j = 0; j < KV; ++j) std::memcpy(scores + v * KEYS + (j0 + j) * ALANES, &acc[v][j], sizeof(f32xA));
 }
 
-inline f32xA load_values(const float* p) { return load_a(p); }
-
-inline f32xA load_values(const uint16_t* p) {  // float16 -> float32 lanes
-  f32xA v;
-#if defined(__AVX512F__)
-  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  std::memcpy(&v, &wide, sizeof v);
-#else
-  const f32xL lanes = load_lanes(p);
-  std::memcpy(&v, &lanes, sizeof v);
-#endif
-  return v;
+template <int VQ>
+void score_queries(const float* q, const float* keys_t, int64_t d, float* scores) {
+  for (int j0 = 0; j0 < KEY_VECS; j0 += SCORE_VECS) score_tile<VQ, SCORE_VECS>(q, keys_t, d, j0, scores);
 }
 
-// out[v] = out[v] * rescale[v] + sum_t p[v][t] * values[t] for VQ query vectors, D = DV * ALANES
-// (the outputs in registers while the block's value rows stream through).
-template <int VQ, int DV, typename T>
-void accumulate_block(const float* p, const float* rescale, const T* values, int64_t n_keys, float* out) {
-  constexpr int64_t d = DV * ALANES;
+// All `vectors` query vectors' scores for one key block.
+void score_block(int64_t vectors, const float* q, const float* keys_t, int64_t d, float* scores) {
+  int64_t v = 0;
+  for (; v + SCORE_QUERIES <= vectors; v += SCORE_QUERIES)
+    score_queries<SCORE_QUERIES>(q + v * d, keys_t, d, scores + v * KEYS);
+  for (; v < vectors; ++v) score_queries<1>(q + v * d, keys_t, d, scores + v * KEYS);
+}
+
+// out[v][i0 .. i0 + DV * ALANES) = out * rescale[v] + sum_t p[v][t] * values[t][..] for VQ
+// query vectors (values: the block's float32 rows (n_keys, d)), DV output vectors in registers.
+template <int VQ, int DV>
+void accumulate_tile(const float* p, const float* rescale, const float* values, int64_t n_keys, int64_t d, int64_t i0,
+                     float* out) {
   f32xA acc[VQ][DV];
   for (int v = 0; v < VQ; ++v)
-    for (int i = 0; i < DV; ++i) acc[v][i] = load_a(out + v * d + i * ALANES) * rescale[v];
+    for (int i = 0; i < DV; ++i) acc[v][i] = load_a(out + v * d + i0 + i * ALANES) * rescale[v];
   for (int64_t t = 0; t < n_keys; ++t) {
-    const T* row = values + t * d;
-    for (int i = 0; i < DV; ++i) {
-      const f32xA value = load_values(row + i * ALANES);
-      for (int v = 0; v < VQ; ++v) acc[v][i] += p[v * KEYS + t] * value;
+    f32xA value[DV];
+    for (int i = 0; i < DV; ++i) value[i] = load_a(values + t * d + i0 + i * ALANES);
+    for (int v = 0; v < VQ; ++v) {
+      const float pv = p[v * KEYS + t];
+      for (int i = 0; i < DV; ++i) acc[v][i] += pv * value[i];
     }
   }
   for (int v = 0; v < VQ; ++v)
-    for (int i = 0; i < DV; ++i) std::memcpy(out + v * d + i * ALANES, &acc[v][i], sizeof(f32xA));
+    for (int i = 0; i < DV; ++i) std::memcpy(out + v * d + i0 + i * ALANES, &acc[v][i], sizeof(f32xA));
 }
 
-// The same for any D, outputs in memory (whole vectors, then a scalar tail).
-template <typename T>
-void accumulate_any(const float* p, float rescale, const T* values, int64_t n_keys, int64_t d, float* out) {
-  int64_t i = 0;
-  for (; i + ALANES <= d; i += ALANES) {
-    f32xA acc = load_a(out + i) * rescale;
-    for (int64_t t = 0; t < n_keys; ++t) acc += p[t] * load_values(values + t * d + i);
-    std::memcpy(out + i, &acc, sizeof acc);
-  }
-  for (; i < d; ++i) {
+// The same for output columns [i0, d) one at a time (head sizes that are not whole vectors).
+void accumulate_tail(const float* p, float rescale, const float* values, int64_t n_keys, int64_t d, int64_t i0,
+                     float* out) {
+  for (int64_t i = i0; i < d; ++i) {
     float acc = out[i] * rescale;
-    for (int64_t t = 0; t < n_keys; ++t) acc += p[t] * to_float(values[t * d + i]);
+    for (int64_t t = 0; t < n_keys; ++t) acc += p[t] * values[t * d + i];
     out[i] = acc;
   }
 }
 
-template <int DV, typename T>
-void accumulate_fixed(int64_t vectors, const float* p, const float* rescale, const T* values, int64_t n_keys,
-                      float* out) {
-  constexpr int VQ = DV * VALUE_QUERIES <= 16 ? VALUE_QUERIES : 1;  // accumulators stay in registers
-  constexpr int64_t d = DV * ALANES;
-  int64_t v = 0;
-  for (; v + VQ <= vectors; v += VQ)
-    accumulate_block<VQ, DV>(p + v * KEYS, rescale + v, values, n_keys, out + v * d);
-  for (; v < vectors; ++v) accumulate_block<1, DV>(p + v * KEYS, rescale + v, values, n_keys, out + v * d);
+template <int VQ>
+void accumulate_queries(const float* p, const float* rescale, const float* values, int64_t n_keys, int64_t d,
+                        float* out) {
+  int64_t i0 = 0;
+  for (; i0 + VALUE_VECS * ALANES <= d; i0 += VALUE_VECS * ALANES)
+    accumulate_tile<VQ, VALUE_VECS>(p, rescale, values, n_keys, d, i0, out);
+  for (; i0 + ALANES <= d; i0 += ALANES) accumulate_tile<VQ, 1>(p, rescale, values, n_keys, d, i0, out);
+  if (i0 < d)
+    for (int v = 0; v < VQ; ++v) accumulate_tail(p + v * KEYS, rescale[v], values, n_keys, d, i0, out + v * d);
 }
 
-template <typename T>
-void accumulate_queries(int64_t vectors, const float* p, const float* rescale, const T* values, int64_t n_keys,
-                        int64_t d, float* out) {
-  switch (d % ALANES == 0 ? d / ALANES : 0) {
-    case 2: return accumulate_fixed<2>(vectors, p, rescale, values, n_keys, out);
-    case 4: return accumulate_fixed<4>(vectors, p, rescale, values, n_keys, out);
-    case 8: return accumulate_fixed<8>(vectors, p, rescale, values, n_keys, out);
-    case 16: return accumulate_fixed<16>(vectors, p, rescale, values, n_keys, out);
-    default: break;
-  }
-  for (int64_t v = 0; v < vectors; ++v) accumulate_any(p + v * KEYS, rescale[v], values, n_keys, d, out + v * d);
+// Every query vector's outputs for one key block (p: the block's softmax weights).
+void accumulate_block(int64_t vectors, const float* p, const float* rescale, const float* values, int64_t n_keys,
+                      int64_t d, float* out) {
+  int64_t v = 0;
+  for (; v + VALUE_QUERIES <= vectors; v += VALUE_QUERIES)
+    accumulate_queries<VALUE_QUERIES>(p + v * KEYS, rescale + v, values, n_keys, d, out + v * d);
+  for (; v < vectors; ++v) accumulate_queries<1>(p + v * KEYS, rescale + v, values, n_keys, d, out + v * d);
 }
 
 // One work item: rows [r0, r1) of the chunk, KV head kv_head. q: the chunk's q/k/v rows
@@ -190,24 +249,13 @@ void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache,
   const int64_t k_begin = first_key(r0), k_end = cache.start + r1;  // keys [k_begin, k_end)
   for (int64_t k0 = k_begin; k0 < k_end; k0 += KEYS) {
     const int64_t n_keys = std::min<int64_t>(KEYS, k_end - k0);
-    for (int64_t t = 0; t < KEYS; ++t) {  // the block's keys, transposed: keys_t[i][t]
-      if (t < n_keys) {
-        const T* key = keys + (k0 + t) * d;
-        for (int64_t i = 0; i < d; ++i) s.keys_t[i * KEYS + t] = to_float(key[i]);
-      } else {
-        for (int64_t i = 0; i < d; ++i) s.keys_t[i * KEYS + t] = 0.0f;
-      }
-    }
-    int64_t v = 0;
-    for (; v + SCORE_QUERIES <= vectors; v += SCORE_QUERIES)
-      score_block<SCORE_QUERIES>(s.q.data() + v * d, s.keys_t.data(), d, s.scores.data() + v * KEYS);
-    for (; v < vectors; ++v) score_block<1>(s.q.data() + v * d, s.keys_t.data(), d, s.scores.data() + v * KEYS);
-    for (v = 0; v < vectors; ++v) {  // mask, online softmax: p = exp(score - new max), rescale the past
+    convert_block(keys + k0 * d, values + k0 * d, n_keys, d, s.keys_t.data(), s.values.data());
+    score_block(vectors, s.q.data(), s.keys_t.data(), d, s.scores.data());
+    for (int64_t v = 0; v < vectors; ++v) {  // mask, online softmax: p = exp(score - new max), rescale the past
       const int64_t r = r0 + v / group;
       const int64_t lo = std::max<int64_t>(first_key(r) - k0, 0), hi = std::min<int64_t>(cache.start + r + 1 - k0, n_keys);
       float* p = s.scores.data() + v * KEYS;
-      float block_max = -INFINITY;
-      for (int64_t t = lo; t < hi; ++t) block_max = std::max(block_max, p[t]);
+      const float block_max = visible_max(p, lo, hi);
       if (block_max == -INFINITY) {  // nothing of this block is visible to the row
         std::fill(p, p + KEYS, 0.0f);
         s.rescale[v] = 1.0f;
@@ -217,9 +265,7 @@ void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache,
       s.rescale[v] = s.max[v] == -INFINITY ? 0.0f : exp_clamped(s.max[v] - new_max);
       f32xA sums = {};
       for (int64_t t0 = 0; t0 < KEYS; t0 += ALANES) {  // p = exp(score - max) where visible, else 0
-        i32xA index;
-        for (int i = 0; i < ALANES; ++i) index[i] = static_cast<int32_t>(t0 + i);
-        const i32xA visible = (index >= static_cast<int32_t>(lo)) & (index < static_cast<int32_t>(hi));
+        const i32xA visible = visible_lanes(t0, lo, hi);
         const f32xA e = exp_lanes(load_a(p + t0) - new_max);
         const f32xA kept = visible ? e : f32xA{};
         std::memcpy(p + t0, &kept, sizeof kept);
@@ -230,8 +276,7 @@ void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache,
       s.sum[v] = s.sum[v] * s.rescale[v] + sum;
       s.max[v] = new_max;
     }
-    accumulate_queries(vectors, s.scores.data(), s.rescale.data(), values + k0 * d, n_keys, d,
-                                      s.out.data());
+    accumulate_block(vectors, s.scores.data(), s.rescale.data(), s.values.data(), n_keys, d, s.out.data());
   }
   for (int64_t r = r0; r < r1; ++r)
     for (int g = 0; g < group; ++g) {

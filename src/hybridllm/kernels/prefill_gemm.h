@@ -21,7 +21,7 @@ namespace prefill {
 
 constexpr int64_t PANEL = 16;  // weight rows dequantized at a time (4 Q4 blocks of 4 rows)
 constexpr int64_t PREFILL_MIN_ROWS = 8;
-constexpr int64_t CHUNK_BYTES = 192 << 10;  // input rows multiplied per panel: about this many bytes of them
+constexpr int64_t CHUNK_BYTES = 8 << 20;  // input rows multiplied per dequantized panel: up to this many bytes of them (L2/L3)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool HAVE_BF16_DOTS = true;
