@@ -1105,9 +1105,9 @@ struct Workspace {
 };
 
 // x @ W.T for `rows` rows: decode's batch-invariant products, or (a prefill chunk of at least
-// PREFILL_MIN_ROWS rows) the dequantized-panel products.
+// prefill::panel_min_rows rows) the dequantized-panel products.
 void products_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows, Workspace& ws) {
-  if (ws.prefill && rows >= prefill::PREFILL_MIN_ROWS) {
+  if (ws.prefill && rows >= prefill::panel_min_rows(w)) {
     prefill::linear_team(team, w, ws.inputs, x, out, rows);
   } else {
     linear_team(team, w, x, out, rows);
@@ -1288,10 +1288,10 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
 }
 
 // out = x @ W.T (+ bias) for the many rows of a prefill chunk (rows, in_features) -> (rows,
-// out_features): dequantized panels (prefill_gemm.h) from PREFILL_MIN_ROWS rows on, the decode
+// out_features): dequantized panels (prefill_gemm.h) from prefill::panel_min_rows rows on, the decode
 // products below that.
 void hl_prefill_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
-  if (rows < prefill::PREFILL_MIN_ROWS) return hl_linear(w, x, out, rows, n_threads);
+  if (rows < prefill::panel_min_rows(*w)) return hl_linear(w, x, out, rows, n_threads);
   static prefill::Inputs inputs;  // one team runs at a time (the pool's lock): shared scratch
   inputs.reserve(rows, w->in_features);
   run_team(n_threads, [&](const Team& team) { prefill::linear_team(team, *w, inputs, x, out, rows); });

@@ -14,13 +14,13 @@
 // inputs with bf16 pair dots into float32 (vdpbf16ps: twice float32's multiply rate; the
 // precision of PyTorch's int4/int8 CPU kernels, which also round activations to bfloat16).
 // Float32 weights, and every weight elsewhere, use float32 panels and fused multiply-adds (the
-// dequantized weights exactly, float32 activations). Few rows (below PREFILL_MIN_ROWS) take the
-// integer decode path instead: a panel's dequantization costs more than it saves there.
+// dequantized weights exactly, float32 activations). Few rows (below panel_min_rows: 8 with bf16
+// panels, 20 with float32 panels, the measured crossovers) take the decode products instead: a
+// panel's dequantization costs more than it saves there.
 
 namespace prefill {
 
 constexpr int64_t PANEL = 16;  // weight rows dequantized at a time (4 Q4 blocks of 4 rows)
-constexpr int64_t PREFILL_MIN_ROWS = 8;
 constexpr int64_t CHUNK_BYTES = 8 << 20;  // input rows multiplied per dequantized panel: up to this many bytes of them (L2/L3)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -366,6 +366,10 @@ void linear_team_f32(const Team& team, const HLLinear& w, const float* x, float*
 
 // Whether a matrix's prefill products use bfloat16 panels (quantized weights with bf16 dots).
 inline bool bf16_panels(const HLLinear& w) { return HAVE_BF16_DOTS && w.format != FORMAT_F32; }
+
+// The fewest rows worth a dequantized panel (fewer: the decode products, which read the weights
+// as stored). Depends on the matrix and the build only, never on the team.
+inline int64_t panel_min_rows(const HLLinear& w) { return bf16_panels(w) ? 8 : 20; }
 
 void linear_team(const Team& team, const HLLinear& w, Inputs& in, const float* x, float* out, int64_t rows) {
   if (bf16_panels(w))

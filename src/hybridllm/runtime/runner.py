@@ -108,9 +108,10 @@ class ModelRunner:
         model, backend = self.model, self.backend
         seq = input_ids.shape[1]
         decode = seq == 1
-        x = model.embed(input_ids)  # (B, T, hidden)
-        tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-        tables[x.device] = model.rotary_tables(start_pos, seq, x.dtype, x.device)
+        with backend.glue():
+            x = model.embed(input_ids)  # (B, T, hidden)
+            tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+            tables[x.device] = model.rotary_tables(start_pos, seq, x.dtype, x.device)
         if decode:
             logits = backend.token_step(input_ids, x, *tables[x.device], cache)
         else:

@@ -9,6 +9,7 @@ and never changes what the model computes; it may hold weights in the layout its
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,6 +66,12 @@ class DecodeBackend(Protocol):
         """Logits (1, T or 1, vocab) of a whole prefill chunk (T > 1 tokens of one sequence) in
         one call, or None: the runner then runs the model's own layers. ``x``: the embedding
         (1, T, hidden); ``all_logits``: every position's logits, else the last one's."""
+        ...
+
+    def glue(self) -> AbstractContextManager:
+        """The scope of the PyTorch ops around a step (embedding lookup, rotary tables): the
+        native backend runs them on one thread, so that PyTorch's OpenMP workers, which spin
+        for a while after a parallel op, do not sit on the cores its own thread team is about to use."""
         ...
 
     def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

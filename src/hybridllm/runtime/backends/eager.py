@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
@@ -27,6 +29,9 @@ class EagerBackend:
     def prefill_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      cache: KVCache, all_logits: bool) -> torch.Tensor | None:
         return None
+
+    def glue(self) -> AbstractContextManager:
+        return nullcontext()
 
     def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache) -> torch.Tensor:

@@ -11,6 +11,9 @@ layer's PyTorch code, exactly as the eager backend would.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from hybridllm.kernels.native import build_native_steps
@@ -51,6 +54,15 @@ class NativeBackend(EagerBackend):
         if whole is None or not whole.applies_prefill(input_ids, x, cache):
             return None
         return whole.prefill(x, cos, sin, cache, all_logits)
+
+    @contextmanager
+    def glue(self) -> Iterator[None]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # PyTorch's workers stay asleep: the kernels' team gets the cores
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    cache: KVCache) -> torch.Tensor:
