@@ -219,6 +219,48 @@ inline float sum_lanes(f32xL v) {
 }
 
 
+// exp_clamped on every lane of a float vector V (the same polynomial, branch-free; floor as
+// truncation corrected where it rounded up).
+template <typename V>
+inline V exp_vector(V x) {
+  typedef int32_t I __attribute__((vector_size(sizeof(V))));
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 87.0f ? V{} + 87.0f : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(y, I);
+  n += static_cast<I>(__builtin_convertvector(n, V) > y);  // -1 where truncation rounded up
+  const V nf = __builtin_convertvector(n, V);
+  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I bits = (n + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// s[t] = exp(s[t] - shift) for t < n; returns their sum (vectors of LANES, then the tail).
+inline float exp_shifted(float* s, int64_t n, float shift) {
+  f32xL sums = {};
+  int64_t t = 0;
+  for (; t + LANES <= n; t += LANES) {
+    const f32xL e = exp_vector(load<f32xL>(s + t) - shift);
+    std::memcpy(s + t, &e, sizeof e);
+    sums += e;
+  }
+  float sum = sum_lanes(sums);
+  for (; t < n; ++t) {
+    s[t] = exp_clamped(s[t] - shift);
+    sum += s[t];
+  }
+  return sum;
+}
+
 // ---- rows of each weight format: ROWS output rows at once share the loads of x --------------
 constexpr int ROWS = 4;
 constexpr int64_t Q4_BLOCK = ROWS * 4 + ROWS * 16;  // bytes of one group of a 4-row block
@@ -883,8 +925,13 @@ void linear_team(const Team& team, const HLLinear& w, const float* x, float* out
 
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
 void silu_times(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const f32xL g = load<f32xL>(gate + i);
+    const f32xL v = g / (1.0f + exp_vector(-g)) * load<f32xL>(up + i);
+    std::memcpy(out + i, &v, sizeof v);
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 
 void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
@@ -1134,14 +1181,8 @@ void attention_item(const float* q, const T* k_cache, const T* v_cache, int64_t 
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
     for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      s[t] = exp_clamped(s[t] - m);
-      sum += s[t];
-    }
     part_max[item * group + g] = m;
-    part_sum[item * group + g] = sum;
+    part_sum[item * group + g] = exp_shifted(s, len, m);
   }
   accumulate_values(values + t0 * d, len, group, d, scores.data(), chunk, part_out + item * group * d);
 }

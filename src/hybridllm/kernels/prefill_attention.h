@@ -38,31 +38,6 @@ inline f32xA load_a(const float* p) { return load<f32xA>(p); }
 
 typedef int32_t i32xA __attribute__((vector_size(sizeof(f32xA))));
 
-// exp_clamped (decode.cpp) on a whole vector: the same polynomial, branch-free lanes.
-inline f32xA exp_lanes(f32xA x) {
-  const f32xA lo = f32xA{} - 87.0f, hi = f32xA{} + 87.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const f32xA y = x * 1.44269504088896341f + 0.5f;
-  i32xA n = __builtin_convertvector(y, i32xA);  // truncation, then floor for negatives
-  f32xA nf = __builtin_convertvector(n, f32xA);
-  const i32xA above = nf > y;
-  n += above;  // the mask is -1 where trunc rounded up
-  nf = __builtin_convertvector(n, f32xA);
-  const f32xA r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  f32xA p = f32xA{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i32xA bits = (n + 127) << 23;
-  f32xA scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Lanes t0 .. t0 + ALANES of a key block that lie in [lo, hi) (all bits set), else 0.
 inline i32xA visible_lanes(int64_t t0, int64_t lo, int64_t hi) {
   i32xA index;
@@ -76,6 +51,18 @@ inline float visible_max(const float* p, int64_t lo, int64_t hi) {
   f32xA best = none;
   for (int64_t t0 = 0; t0 < KEYS; t0 += ALANES) {
     const f32xA x = visible_lanes(t0, lo, hi) ? load_a(p + t0) : none;
+    best = best > x ? best : x;
+  }
+  float out = best[0];
+  for (int i = 1; i < ALANES; ++i) out = std::max(out, best[i]);
+  return out;
+}
+
+// max(p[0 .. KEYS)).
+inline float lanes_max(const float* p) {
+  f32xA best = load_a(p);
+  for (int64_t t0 = ALANES; t0 < KEYS; t0 += ALANES) {
+    const f32xA x = load_a(p + t0);
     best = best > x ? best : x;
   }
   float out = best[0];
@@ -255,21 +242,28 @@ void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache,
       const int64_t r = r0 + v / group;
       const int64_t lo = std::max<int64_t>(first_key(r) - k0, 0), hi = std::min<int64_t>(cache.start + r + 1 - k0, n_keys);
       float* p = s.scores.data() + v * KEYS;
-      const float block_max = visible_max(p, lo, hi);
+      const float block_max = lo == 0 && hi == KEYS ? lanes_max(p) : visible_max(p, lo, hi);
       if (block_max == -INFINITY) {  // nothing of this block is visible to the row
         std::fill(p, p + KEYS, 0.0f);
         s.rescale[v] = 1.0f;
         continue;
       }
       const float new_max = std::max(s.max[v], block_max);
-      s.rescale[v] = s.max[v] == -INFINITY ? 0.0f : exp_clamped(s.max[v] - new_max);
+      s.rescale[v] = s.max[v] == -INFINITY ? 0.0f : s.max[v] == new_max ? 1.0f : exp_clamped(s.max[v] - new_max);
       f32xA sums = {};
-      for (int64_t t0 = 0; t0 < KEYS; t0 += ALANES) {  // p = exp(score - max) where visible, else 0
-        const i32xA visible = visible_lanes(t0, lo, hi);
-        const f32xA e = exp_lanes(load_a(p + t0) - new_max);
-        const f32xA kept = visible ? e : f32xA{};
-        std::memcpy(p + t0, &kept, sizeof kept);
-        sums += kept;
+      if (lo == 0 && hi == KEYS) {  // every key visible (all but the diagonal and window-edge blocks)
+        for (int64_t t0 = 0; t0 < KEYS; t0 += ALANES) {
+          const f32xA e = exp_vector(load_a(p + t0) - new_max);
+          std::memcpy(p + t0, &e, sizeof e);
+          sums += e;
+        }
+      } else {
+        for (int64_t t0 = 0; t0 < KEYS; t0 += ALANES) {  // p = exp(score - max) where visible, else 0
+          const f32xA e = exp_vector(load_a(p + t0) - new_max);
+          const f32xA kept = visible_lanes(t0, lo, hi) ? e : f32xA{};
+          std::memcpy(p + t0, &kept, sizeof kept);
+          sums += kept;
+        }
       }
       float sum = 0.0f;
       for (int i = 0; i < ALANES; ++i) sum += sums[i];
