@@ -221,8 +221,8 @@ SPEED_HEADERS = ("context", "engine", "prefill tok/s", "decode tok/s", "decode v
 def bytes_per_token(row: dict[str, Any]) -> int | None:
     """Bytes a decode step reads: every weight it uses once plus the whole KV cache.
 
-    The weight term is the engine's ``decode_weight_bytes`` where reported (native decode reads
-    its own int4 copy, not PyTorch's packed one), else every weight held. The KV term is the
+    The weight term is the engine's ``decode_weight_bytes`` where reported, else every weight
+    held. The KV term is the
     cache's ledger at the end of the run (context + new tokens, an upper bound of what a step
     reads); None when the row does not report its weight bytes.
     """
