@@ -23,6 +23,41 @@ MORE_ARCHS = ("qwen3", "phi3", "phi3_partial", "gemma2", "gemma3")
 ALL_ARCHS = ARCHS + MORE_ARCHS
 
 
+def _have_compiler() -> bool:
+    from hybridllm.kernels import build
+
+    try:
+        build.find_compiler()
+    except build.KernelBuildError:
+        return False
+    return True
+
+
+# The native kernels need a C++ compiler; without one their tests are skipped (like the CUDA
+# ones) and the engine runs its PyTorch steps.
+NEEDS_COMPILER = pytest.mark.skipif(not _have_compiler(), reason="needs a C++ compiler for the native kernels")
+
+
+@pytest.fixture(scope="session")
+def portable_library():
+    """The kernels built without x86 vector extensions: the path of other CPUs."""
+    from hybridllm.kernels import build, native
+
+    return native._declare(build.build_library(("-mno-avx2", "-mno-fma")).library)
+
+
+@pytest.fixture(scope="session")
+def avx2_library():
+    """The kernels built for x86-64-v3 (AVX2 + FMA, no AVX-512, no VNNI): the path of most laptops,
+    also on an AVX-512 machine (a later -march overrides -march=native)."""
+    from hybridllm.kernels import build, native
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or " avx2" not in cpuinfo.read_text(errors="replace"):
+        pytest.skip("needs an x86 CPU with AVX2")
+    return native._declare(build.build_library(("-march=x86-64-v3",)).library)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

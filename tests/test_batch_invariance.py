@@ -20,14 +20,11 @@ from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
 
+from conftest import NEEDS_COMPILER
+
 CPU = torch.device("cpu")
 
-try:
-    build.find_compiler()
-    HAVE_COMPILER = True
-except build.KernelBuildError:
-    HAVE_COMPILER = False
-pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="needs a C++ compiler for the native kernels")
+pytestmark = NEEDS_COMPILER
 
 PROMPT_LENGTHS = (3, 17, 70, 9, 130)  # rows at different positions: one or several attention chunks
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from hybridllm.kernels import build, threads
+from hybridllm.kernels import threads
 from hybridllm.kernels.threads import (
     FREE_MARGIN,
     SPIN_FREE,
@@ -25,6 +25,8 @@ from hybridllm.kernels.threads import (
     choose_team,
     read_sample,
 )
+
+from conftest import NEEDS_COMPILER
 
 
 @pytest.mark.parametrize("requested, cpus, busy, expected", [
@@ -87,14 +89,9 @@ def test_machine_load_line_says_when_it_is_loaded():
 
 
 # ---- decode beside a busy core --------------------------------------------------------------------
-try:
-    build.find_compiler()
-    HAVE_COMPILER = True
-except build.KernelBuildError:
-    HAVE_COMPILER = False
 
 
-@pytest.mark.skipif(not HAVE_COMPILER, reason="needs a C++ compiler for the native kernels")
+@NEEDS_COMPILER
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_decode_beside_a_busy_core_gives_the_same_tokens(tiny_models):
     from hybridllm import LLM, SamplingParams

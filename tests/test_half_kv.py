@@ -17,14 +17,11 @@ from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
 
+from conftest import NEEDS_COMPILER
+
 CPU = torch.device("cpu")
 
-try:
-    build.find_compiler()
-    HAVE_COMPILER = True
-except build.KernelBuildError:
-    HAVE_COMPILER = False
-pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="needs a C++ compiler for the native kernels")
+pytestmark = NEEDS_COMPILER
 
 
 @pytest.mark.parametrize("flags", [(), ("-mno-avx2", "-mno-fma", "-mno-f16c")])  # vector and plain conversions

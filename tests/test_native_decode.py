@@ -10,7 +10,6 @@ the engine runs its PyTorch steps.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,32 +24,11 @@ from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
 
-from conftest import ARCHS
+from conftest import ARCHS, NEEDS_COMPILER
 
 CPU = torch.device("cpu")
 
-try:
-    build.find_compiler()
-    HAVE_COMPILER = True
-except build.KernelBuildError:
-    HAVE_COMPILER = False
-pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="needs a C++ compiler for the native kernels")
-
-
-@pytest.fixture(scope="module")
-def portable_library():
-    """The kernels built without x86 vector extensions: the path of other CPUs."""
-    return build.build_library(("-mno-avx2", "-mno-fma")).library
-
-
-@pytest.fixture(scope="module")
-def avx2_library():
-    """The kernels built for x86-64-v3 (AVX2 + FMA, no AVX-512, no VNNI): the path of most laptops,
-    also on an AVX-512 machine (a later -march overrides -march=native)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists() or " avx2" not in cpuinfo.read_text(errors="replace"):
-        pytest.skip("needs an x86 CPU with AVX2")
-    return native._declare(build.build_library(("-march=x86-64-v3",)).library)
+pytestmark = NEEDS_COMPILER
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -9,14 +9,12 @@ int4 layers held once in the kernels' block layout. No wall-time assertions.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from hybridllm.config import KVConfig
 from hybridllm.errors import ConfigError
-from hybridllm.kernels import build, native
+from hybridllm.kernels import native
 from hybridllm.kernels.native_linear import NativeInt4Linear, hold_int4_natively
 from hybridllm.kvcache import DynamicCache, KVSpec, create_cache
 from hybridllm.kvcache.attention import causal_attention
@@ -28,36 +26,20 @@ from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
 from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
 
-from conftest import ARCHS
+from conftest import ARCHS, NEEDS_COMPILER
 
 CPU = torch.device("cpu")
 
-try:
-    build.find_compiler()
-    HAVE_COMPILER = True
-except build.KernelBuildError:
-    HAVE_COMPILER = False
-pytestmark = pytest.mark.skipif(not HAVE_COMPILER, reason="needs a C++ compiler for the native kernels")
+pytestmark = NEEDS_COMPILER
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(scope="module")
-def libraries() -> dict[str, object]:
-    """The host's build, the AVX2 build (where the CPU has AVX2) and the portable build."""
-    out = {"native": native.kernels(), "portable": native._declare(build.build_library(("-mno-avx2", "-mno-fma")).library)}
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists() and " avx2" in cpuinfo.read_text(errors="replace"):
-        out["avx2"] = native._declare(build.build_library(("-march=x86-64-v3",)).library)
-    return out
-
-
-def _library(libraries, isa: str):
-    if isa not in libraries:
-        pytest.skip(f"no {isa} build on this CPU")
-    return libraries[isa]
+def _library(request, isa: str):
+    """The host's build, or the AVX2 / portable build (conftest's fixtures; AVX2 skips without it)."""
+    return native.kernels() if isa == "native" else request.getfixturevalue(f"{isa}_library")
 
 
 # ---- the prefill product ------------------------------------------------------------------------
@@ -89,8 +71,8 @@ def _dequantized(module: torch.nn.Module) -> torch.Tensor:
     ("int8_groups", 98, 576),
 ])
 @pytest.mark.parametrize("rows", [3, 8, 20, 29, 70])  # decode products below the panel threshold; tile remainders
-def test_prefill_linear_matches_the_dequantized_product(libraries, isa, kind, n, k, rows):
-    library = _library(libraries, isa)
+def test_prefill_linear_matches_the_dequantized_product(request, isa, kind, n, k, rows):
+    library = _library(request, isa)
     module = _module(kind, n, k)
     x = torch.randn(rows, k, generator=_gen(rows))
     out = native.prefill_linear(native.linear_view(module), x, library=library)
@@ -133,9 +115,9 @@ def test_prefill_rows_do_not_depend_on_each_other(rows):
     (9, 3, 64, 100, 60, 48),   # a sliding window
 ])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_prefill_attention_matches_causal_attention(libraries, isa, n_heads, n_kv_heads, head_dim, start, rows,
+def test_prefill_attention_matches_causal_attention(request, isa, n_heads, n_kv_heads, head_dim, start, rows,
                                                     window, kv_dtype):
-    library = _library(libraries, isa)
+    library = _library(request, isa)
     gen = _gen(start + rows + head_dim)
     total = start + rows
     capacity = total + 9  # rows beyond the chunk must be ignored
@@ -278,7 +260,7 @@ def test_host_int4_layers_are_held_once(tiny_models):
     placement = Placement.all_on_device(model.config.n_layers)
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
     before = weight_bytes_per_tier(model, placement)
-    runner = _runner(model, "native")
+    assert _runner(model, "native").report.build.whole_step
     held = [m for m in model.modules() if isinstance(m, Int4Linear)]
     assert len(held) == len(int4) and all(type(m) is NativeInt4Linear for m in held)
     # the same bytes (20 per 32 weights), held once, and a decode step reads all of them

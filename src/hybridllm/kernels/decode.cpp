@@ -155,23 +155,36 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
-// exp(x), Cephes' single-precision polynomial (relative error ~1e-7), x clamped to [-87, 87]
-// (exp(-87) ~ 1.6e-38 stands for 0); branch-free so that the compiler vectorizes its loops.
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+// exp(x) on every lane of a float vector V: Cephes' single-precision polynomial (relative error
+// ~1e-7), x clamped to [-87, 87] (exp(-87) ~ 1.6e-38 stands for 0); branch-free, floor taken as
+// truncation corrected where it rounded up.
+template <typename V>
+inline V exp_vector(V x) {
+  typedef int32_t I __attribute__((vector_size(sizeof(V))));
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 87.0f ? V{} + 87.0f : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(y, I);
+  n += static_cast<I>(__builtin_convertvector(n, V) > y);  // -1 where truncation rounded up
+  const V nf = __builtin_convertvector(n, V);
+  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
+  const I bits = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// The same for one value (a vector of one lane: the very same operations).
+inline float exp_clamped(float x) {
+  typedef float f32x1 __attribute__((vector_size(4)));
+  return exp_vector(f32x1{x})[0];
 }
 
 // ---- vectors ------------------------------------------------------------------------------
@@ -218,31 +231,6 @@ inline float sum_lanes(f32xL v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-
-// exp_clamped on every lane of a float vector V (the same polynomial, branch-free; floor as
-// truncation corrected where it rounded up).
-template <typename V>
-inline V exp_vector(V x) {
-  typedef int32_t I __attribute__((vector_size(sizeof(V))));
-  x = x < -87.0f ? V{} - 87.0f : x;
-  x = x > 87.0f ? V{} + 87.0f : x;
-  const V y = x * 1.44269504088896341f + 0.5f;
-  I n = __builtin_convertvector(y, I);
-  n += static_cast<I>(__builtin_convertvector(n, V) > y);  // -1 where truncation rounded up
-  const V nf = __builtin_convertvector(n, V);
-  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const I bits = (n + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // s[t] = exp(s[t] - shift) for t < n; returns their sum (vectors of LANES, then the tail).
 inline float exp_shifted(float* s, int64_t n, float shift) {
@@ -416,8 +404,9 @@ void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0,
       const __m512i xq_low =
           _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q_low + g * GROUP)));
       for (int p = 0; p < ROWS / 2; ++p) {
-        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq), 7),
-                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq_low));
+        // 128 * (q . xq) + q . xq_low: the second dot accumulates onto the shifted first (the same integer)
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq), 7),
+                                                q[p], xq_low);
         const __m512 pair_scales = _mm512_permutexvar_ps(p == 0 ? first_pair : second_pair, scales);
         acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_scales, acc[m][p]);
       }
@@ -552,8 +541,8 @@ void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows&
         for (int p = 0; p < 4; ++p) {
           const __m512i signed_q = _mm512_mask_sub_epi8(xq, negative[p], zero, xq);  // x * sign(code)
           const __m512i signed_low = _mm512_mask_sub_epi8(xq_low, negative[p], zero, xq_low);
-          const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, magnitudes[p], signed_q), 7),
-                                               _mm512_dpbusd_epi32(zero, magnitudes[p], signed_low));
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, magnitudes[p], signed_q), 7),
+                                                  magnitudes[p], signed_low);
           dots[2 * p] = _mm512_castsi512_si256(dot);
           dots[2 * p + 1] = _mm512_extracti64x4_epi64(dot, 1);
         }
@@ -1333,9 +1322,12 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
 // products below that.
 void hl_prefill_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
   if (rows < prefill::panel_min_rows(*w)) return hl_linear(w, x, out, rows, n_threads);
-  static prefill::Inputs inputs;  // one team runs at a time (the pool's lock): shared scratch
-  inputs.reserve(rows, w->in_features);
-  run_team(n_threads, [&](const Team& team) { prefill::linear_team(team, *w, inputs, x, out, rows); });
+  static prefill::Inputs inputs;  // one team runs at a time (the pool's lock): scratch shared by calls
+  run_team(n_threads, [&](const Team& team) {
+    if (team.thread == 0) inputs.reserve(rows, w->in_features);  // under the lock
+    team.barrier();
+    prefill::linear_team(team, *w, inputs, x, out, rows);
+  });
 }
 
 // The element type of quantized weights' prefill panels: "bfloat16" (AVX512-BF16 pair dots) or

@@ -83,19 +83,16 @@ class NativeInt4Linear(Int4Linear):
         codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)  # (N/4, G, 4, 32): q[j], then q[j + 16]
         return codes.transpose(1, 2).reshape(-1, self.in_features)[:n].contiguous()
 
-    def struct(self) -> HLLinear:
-        """The kernels' description of this layer (pointers into its tensors)."""
-        bias = self.bias
-        return HLLinear(FORMAT_Q4, int(bias is not None), self.out_features, self.in_features, self.weight.data_ptr(),
-                        0, 0 if bias is None else bias.data_ptr())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise ConfigError(f"a native int4 layer runs on the CPU, got input on {x.device}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float().contiguous()  # (M, K)
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)  # (M, N)
-        kernels().hl_prefill_linear(ctypes.byref(self.struct()), rows.data_ptr(), out.data_ptr(), rows.shape[0],
+        bias = None if self.bias is None else self.bias.detach().float().contiguous()  # the kernels read float32
+        struct = HLLinear(FORMAT_Q4, int(bias is not None), self.out_features, self.in_features,
+                          self.weight.data_ptr(), 0, 0 if bias is None else bias.data_ptr())
+        kernels().hl_prefill_linear(ctypes.byref(struct), rows.data_ptr(), out.data_ptr(), rows.shape[0],
                                     torch.get_num_threads())
         return out.to(x.dtype).reshape(*lead, self.out_features)
 

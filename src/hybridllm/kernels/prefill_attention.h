@@ -70,28 +70,16 @@ inline float lanes_max(const float* p) {
   return out;
 }
 
-// 8 values from p as float32 lanes (float16: converted).
-inline f32x8t load8(const float* p) { return load<f32x8t>(p); }
-
-inline f32x8t load8(const uint16_t* p) {
-  f32x8t v;
-#if defined(__F16C__)
-  const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&v, &wide, sizeof v);
-#else
-  for (int i = 0; i < 8; ++i) v[i] = to_float(p[i]);
-#endif
-  return v;
-}
-
 // A key block's n_keys rows in float32: keys transposed into keys_t (d, KEYS) (zero past
 // n_keys), values as rows (n_keys, d); 8 x 8 tiles where whole.
+static_assert(LANES == 8, "convert_block transposes 8 x 8 tiles of load_lanes vectors");
+
 template <typename T>
 void convert_block(const T* keys, const T* values, int64_t n_keys, int64_t d, float* keys_t, float* values_out) {
   const int64_t n_values = n_keys * d;
   int64_t j = 0;
   for (; j + 8 <= n_values; j += 8) {
-    const f32x8t v = load8(values + j);
+    const f32x8t v = load_lanes(values + j);
     std::memcpy(values_out + j, &v, sizeof v);
   }
   for (; j < n_values; ++j) values_out[j] = to_float(values[j]);
@@ -100,7 +88,7 @@ void convert_block(const T* keys, const T* values, int64_t n_keys, int64_t d, fl
     int64_t i = 0;
     for (; i + 8 <= d; i += 8) {
       f32x8t tile[8];
-      for (int r = 0; r < 8; ++r) tile[r] = load8(keys + (t + r) * d + i);
+      for (int r = 0; r < 8; ++r) tile[r] = load_lanes(keys + (t + r) * d + i);
       transpose8(tile);
       for (int c = 0; c < 8; ++c) std::memcpy(keys_t + (i + c) * KEYS + t, &tile[c], sizeof tile[c]);
     }
