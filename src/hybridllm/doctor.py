@@ -214,18 +214,19 @@ def diagnose(model: Path | None = None, threads: int | None = None, quick: bool 
 
 
 def native_kernels() -> dict[str, Any]:
-    """Which instruction set the native decode kernels run on (building them on first use), or
-    why they are unavailable (decode then runs through PyTorch)."""
+    """Which instruction set the native kernels run on (building them on first use) and the
+    precision of their prefill products on quantized weights, or why they are unavailable (decode
+    and prefill then run through PyTorch)."""
     import os
 
+    from hybridllm.kernels.abi import kernel_isa, prefill_precision
     from hybridllm.kernels.build import MARCH_ENV, KernelBuildError
-    from hybridllm.kernels.native import kernel_isa
 
     march = os.environ.get(MARCH_ENV) or "native"
     try:
-        return {"isa": kernel_isa(), "march": march, "error": None}
+        return {"isa": kernel_isa(), "prefill_precision": prefill_precision(), "march": march, "error": None}
     except KernelBuildError as exc:
-        return {"isa": None, "march": march, "error": str(exc)}
+        return {"isa": None, "prefill_precision": None, "march": march, "error": str(exc)}
 
 
 def _model_file(model: Path | None) -> tuple[Path | None, dict[str, Any] | None, Any]:
@@ -288,8 +289,9 @@ def print_report(report: dict[str, Any]) -> None:
         meas.add_row("CPU load", report["cpu_load"]["line"])
     k = report.get("kernels")
     if k:
-        meas.add_row("native decode kernels", f"{k['isa']} (-march={k['march']})" if k["isa"]
-                     else f"unavailable, decode runs through PyTorch: {k['error']}")
+        meas.add_row("native kernels", f"{k['isa']} (-march={k['march']}), prefill products in "
+                     f"{k['prefill_precision']}" if k["isa"]
+                     else f"unavailable, decode and prefill run through PyTorch: {k['error']}")
     meas.add_row("host matmul", f"{p['host_flops'] / 1e9:.1f} GFLOP/s")
     meas.add_row("decode overhead (CPU)", f"{p['host_layer_overhead_s'] * 1e6:.0f} us per layer, "
                  f"{p['host_token_overhead_s'] * 1e6:.0f} us per token")

@@ -110,6 +110,12 @@ def kernel_isa() -> str:
     return kernels().hl_kernel_isa().decode()
 
 
+def prefill_precision() -> str:
+    """The element type of the native prefill products on quantized weights: "bfloat16" (bf16
+    pair dots, AVX512-BF16) or "float32" (float32 weights always use float32)."""
+    return kernels().hl_prefill_precision().decode()
+
+
 # ---- weights as the kernels read them ------------------------------------------------------
 def pack_int4_blocks(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """int4 rows in decode.cpp's streaming layout: (ceil(N/4), K/32, 80) bytes.

@@ -186,7 +186,7 @@ def build_runner(model: LlamaForCausalLM, placement: Placement, devices: TierDev
     try:
         built = backend_class(chosen)(model)
     except KernelBuildError as exc:
-        logger.warning("native decode kernels unavailable, using PyTorch decode steps: %s", exc)
+        logger.warning("native kernels unavailable, using PyTorch decode and prefill steps: %s", exc)
         notes.append(f"native decode unavailable: {exc}")
         chosen = "eager"
         built = backend_class(chosen)(model)
