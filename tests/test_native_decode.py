@@ -19,12 +19,13 @@ from hybridllm.kvcache import DynamicCache, KVSpec
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
-from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, dequantize_model, quantize_model
+from hybridllm.models.quantized import Int4Linear, dequantize_model, quantize_model
 from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
 
 from conftest import ARCHS, NEEDS_COMPILER
+from linear_modules import exact_product, linear_module
 
 CPU = torch.device("cpu")
 
@@ -36,26 +37,6 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # ---- kernels ------------------------------------------------------------------------------------
-def _module(kind: str, n: int, k: int) -> torch.nn.Module:
-    weight = torch.randn(n, k, generator=_gen(n + k))
-    bias = torch.randn(n, generator=_gen(1)) if kind.endswith("bias") else None
-    if kind.startswith("float"):
-        module = torch.nn.Linear(k, n, bias=bias is not None)
-        module.weight.data, module.bias = weight, None if bias is None else torch.nn.Parameter(bias)
-        return module
-    if kind.startswith("int4"):
-        return Int4Linear.from_float(weight, bias)
-    if kind == "int8":
-        return Int8Linear.from_float(weight)
-    return Int8GroupedLinear.from_float(weight)
-
-
-def _reference(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    weight = module.weight if isinstance(module, torch.nn.Linear) else module.dequantize()
-    out = x @ weight.float().T
-    return out if getattr(module, "bias", None) is None else out + module.bias
-
-
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("kind, n, k", [
     ("float", 98, 100),  # rows beyond the 4-row blocks, inputs beyond the 16-wide vectors
@@ -68,10 +49,10 @@ def _reference(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def test_linear_kernel_matches_the_dequantized_product(kind, n, k, isa, request):
     portable = isa == "portable"
     library = None if isa == "native" else request.getfixturevalue(f"{isa}_library")
-    module = _module(kind, n, k)
+    module = linear_module(kind, n, k)
     x = torch.randn(3, k, generator=_gen(7))
     out = native.linear(native.linear_view(module), x, library=library)
-    expected = _reference(module, x)
+    expected = exact_product(module, x).float()
     if kind.startswith("float") or portable:  # float32 products: summation order only
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     else:  # integer dots over two int8 digits per activation (~15 bits)

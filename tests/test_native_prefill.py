@@ -20,13 +20,14 @@ from hybridllm.kvcache import DynamicCache, KVSpec, create_cache
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
-from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, quantize_model
+from hybridllm.models.quantized import Int4Linear, quantize_model
 from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
 from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
 
 from conftest import ARCHS, NEEDS_COMPILER
+from linear_modules import exact_product, linear_module
 
 CPU = torch.device("cpu")
 
@@ -43,24 +44,6 @@ def _library(request, isa: str):
 
 
 # ---- the prefill product ------------------------------------------------------------------------
-def _module(kind: str, n: int, k: int) -> torch.nn.Module:
-    weight = torch.randn(n, k, generator=_gen(n + k))
-    bias = torch.randn(n, generator=_gen(1)) if kind.endswith("bias") else None
-    if kind.startswith("float"):
-        module = torch.nn.Linear(k, n, bias=bias is not None)
-        module.weight.data, module.bias = weight, None if bias is None else torch.nn.Parameter(bias)
-        return module
-    if kind.startswith("int4"):
-        return Int4Linear.from_float(weight, bias)
-    if kind == "int8":
-        return Int8Linear.from_float(weight)
-    return Int8GroupedLinear.from_float(weight)
-
-
-def _dequantized(module: torch.nn.Module) -> torch.Tensor:
-    return module.weight if isinstance(module, torch.nn.Linear) else module.dequantize()
-
-
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("kind, n, k", [
     ("float", 98, 100),        # rows beyond whole panels, inputs beyond whole vectors
@@ -73,12 +56,10 @@ def _dequantized(module: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [3, 8, 20, 29, 70])  # decode products below the panel threshold; tile remainders
 def test_prefill_linear_matches_the_dequantized_product(request, isa, kind, n, k, rows):
     library = _library(request, isa)
-    module = _module(kind, n, k)
+    module = linear_module(kind, n, k)
     x = torch.randn(rows, k, generator=_gen(rows))
     out = native.prefill_linear(native.linear_view(module), x, library=library)
-    expected = x.double() @ _dequantized(module).double().T
-    if getattr(module, "bias", None) is not None:
-        expected = expected + module.bias.double()
+    expected = exact_product(module, x)
     scale = expected.abs().max().item()
     error = (out.double() - expected).abs().max().item() / scale
     bf16_panels = library.hl_prefill_precision().decode() == "bfloat16" and not kind.startswith("float")

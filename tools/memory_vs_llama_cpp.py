@@ -21,12 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-CHILD_OURS = r"""
+PRELUDE = r"""
 import json, sys
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
+"""
+
+CHILD_OURS = PRELUDE + r"""
 import hybridllm
 after_import = status("VmRSS")
 args = json.loads(sys.argv[1])
@@ -40,12 +43,7 @@ print(json.dumps({"engine": "hybridllm", "import": after_import, "load": after_l
                   "generated": len(result.token_ids), "backend": llm.runner.report.backend}))
 """
 
-CHILD_LLAMA = r"""
-import json, sys
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
+CHILD_LLAMA = PRELUDE + r"""
 import llama_cpp
 after_import = status("VmRSS")
 args = json.loads(sys.argv[1])

@@ -160,28 +160,23 @@ def linear_view(module: nn.Module) -> LinearView:
     return LinearView(struct, keep)
 
 
-def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
-           library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x`` (..., K) float32 through the kernel -> (..., N) float32 (each weight block is read
-    once for all rows)."""
+def linear(view: LinearView, x: torch.Tensor, threads: int | None = None, library: ctypes.CDLL | None = None,
+           prefill: bool = False) -> torch.Tensor:
+    """``x`` (..., K) float32 through the kernel -> (..., N) float32: the decode product
+    (``hl_linear``: each weight block read once for all rows, batch-invariant), or with
+    ``prefill`` the prefill product (``hl_prefill_linear``: dequantized panels from a few rows on)."""
     rows = x.reshape(-1, view.struct.in_features).float().contiguous()  # (M, K)
     out = torch.empty(rows.shape[0], view.struct.out_features, dtype=torch.float32)  # (M, N)
     library = _declare(library) if library is not None else kernels()
-    library.hl_linear(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0],
-                      threads or torch.get_num_threads())
+    product = library.hl_prefill_linear if prefill else library.hl_linear
+    product(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0], threads or torch.get_num_threads())
     return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
 def prefill_linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
                    library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``x`` (..., K) float32 through the prefill product (``hl_prefill_linear``: dequantized
-    panels from a few rows on) -> (..., N) float32."""
-    rows = x.reshape(-1, view.struct.in_features).float().contiguous()  # (M, K)
-    out = torch.empty(rows.shape[0], view.struct.out_features, dtype=torch.float32)  # (M, N)
-    library = _declare(library) if library is not None else kernels()
-    library.hl_prefill_linear(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0],
-                              threads or torch.get_num_threads())
-    return out.reshape(*x.shape[:-1], view.struct.out_features)
+    """``linear`` through the prefill product."""
+    return linear(view, x, threads, library, prefill=True)
 
 
 # ---- threads -------------------------------------------------------------------------------
