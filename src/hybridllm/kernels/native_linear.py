@@ -10,15 +10,15 @@ the native decode step in place, prefill chunks and any other product through
 int4 kernel from a few rows on), and the rest of the engine through ``Int4Linear``'s contract
 (``unpack_codes``, ``scales_and_zeros``, ``dequantize``: the same codes and group parameters).
 
-The conversion is a transform of a loaded model, as ``quantize_model`` is (gpt-fast style): the
-native backend applies it to the host layers it serves, one layer at a time, so the load's peak
-memory grows by one matrix, not by the model.
+The loader builds host int4 layers straight as ``NativeInt4Linear`` when the native backend will
+run (``runtime.build.host_int4_layout``: no PyTorch-packed copy ever exists); for a model built
+otherwise, :func:`hold_int4_natively` is the transform (as ``quantize_model`` is, gpt-fast style),
+one layer at a time, so memory grows by one matrix, not by the model.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 from torch import nn
@@ -26,10 +26,6 @@ from torch import nn
 from hybridllm.errors import ConfigError
 from hybridllm.kernels.abi import FORMAT_Q4, GROUP, ROWS, HLLinear, kernels, pack_int4_blocks
 from hybridllm.models.quantized import Int4Linear, release_unpack_tables
-
-logger = logging.getLogger(__name__)
-
-BLOCK_BYTES = ROWS * 4 + ROWS * GROUP // 2  # one group of a 4-row block: 4 (scale, zero) bfloat16 pairs, then codes
 
 
 class NativeInt4Linear(Int4Linear):
@@ -51,7 +47,7 @@ class NativeInt4Linear(Int4Linear):
     def from_codes(cls, codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int = GROUP,
                    bias: torch.Tensor | None = None, device: torch.device | str = "cpu") -> NativeInt4Linear:
         """From (N, K) codes 0..15 and (K / 32, N, 2) scale/zero (rounded to bfloat16), on the CPU.
-        (``from_int4_rows``, ``from_float`` and ``concat`` build through here.)"""
+        (``from_int4_rows``, ``from_float`` and the stacking of q/k/v, gate/up build through here.)"""
         if group_size != GROUP:
             raise ConfigError(f"native int4 layers use groups of {GROUP}, got {group_size}")
         if torch.device(device).type != "cpu":

@@ -7,9 +7,10 @@ the checkpoint's separate projections and stack the output rows of those that re
 input (:func:`stack_projections`), turning 5 calls per layer into 2 with the same arithmetic:
 
 - ``nn.Linear``: the weights (and biases) are concatenated along the output rows.
-- :class:`~hybridllm.models.quantized.Int4Linear` (and its layouts, ``Int4Linear.concat``): each
-  part's codes are read back exactly (``unpack_codes``), concatenated, and packed again; the
-  group-wise scales and zeros are concatenated along the output axis. Group-wise int4 has no per-matrix state, so the stacked
+- :class:`~hybridllm.models.quantized.Int4Linear` (and its layouts: the stacked layer is built by
+  the parts' own class, ``from_codes``): each part's codes are read back exactly
+  (``unpack_codes``), concatenated, and packed again; the group-wise scales and zeros are
+  concatenated along the output axis. Group-wise int4 has no per-matrix state, so the stacked
   product equals the separate ones (up to the kernel's own summation order).
 - :class:`~hybridllm.models.quantized.Int8Linear`: codes and per-row scales are concatenated.
 - :class:`~hybridllm.models.quantized.Int8GroupedLinear`: codes and group scales are
@@ -59,8 +60,8 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     kind = kinds.pop()
     if kind is nn.Linear:
         return _concat_float(parts)
-    if issubclass(kind, Int4Linear):  # a layout of int4 weights builds its own stacked layer
-        return kind.concat(parts)
+    if issubclass(kind, Int4Linear):  # PyTorch's packed layout or another (the native blocks)
+        return _concat_int4(kind, parts)
     if kind is Int8Linear:
         return _concat_int8(parts)
     if kind is Int8GroupedLinear:
@@ -97,6 +98,17 @@ def _concat_float(parts: list[nn.Linear]) -> nn.Linear | None:
     if bias is not None:
         fused.bias = nn.Parameter(bias, requires_grad=False)
     return fused
+
+
+def _concat_int4(kind: type[Int4Linear], parts: list[Int4Linear]) -> Int4Linear | None:
+    device = _same_device(parts)
+    settings = {(p.group_size, p.kernel_dtype) for p in parts}
+    if device is None or len(settings) != 1:
+        return None
+    group_size, _ = settings.pop()
+    codes = torch.cat([p.unpack_codes() for p in parts], dim=0)  # (N_total, K) uint8, exact
+    scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1).contiguous()  # (G, N_total, 2)
+    return kind.from_codes(codes, scales_and_zeros, group_size, _concat_bias(parts, device), device)
 
 
 def _concat_int8(parts: list[Int8Linear]) -> Int8Linear | None:

@@ -263,23 +263,6 @@ class Int4Linear(nn.Module):
         n, k = codes.shape
         return cls(k, n, _int4_pack(codes, device), scales_and_zeros.to(device), group_size, bias)
 
-    @classmethod
-    def concat(cls, parts: list[Int4Linear]) -> Int4Linear | None:
-        """One layer computing ``cat([p(x) for p in parts], -1)`` (the codes read back exactly),
-        or None when the parts differ in device, group size or kernel dtype."""
-        devices = {p.weight.device for p in parts}
-        settings = {(p.group_size, p.kernel_dtype) for p in parts}
-        if len(devices) != 1 or len(settings) != 1:
-            return None
-        device, (group_size, _) = devices.pop(), settings.pop()
-        codes = torch.cat([p.unpack_codes() for p in parts], dim=0)  # (N_total, K) uint8, exact
-        scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1).contiguous()  # (G, N_total, 2)
-        biases = [p.bias for p in parts if p.bias is not None]
-        bias = None if not biases else torch.cat([
-            p.bias.detach() if p.bias is not None else torch.zeros(p.out_features, dtype=biases[0].dtype, device=device)
-            for p in parts
-        ])
-        return cls.from_codes(codes, scales_and_zeros, group_size, bias, device)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, device: torch.device | str = "cpu",

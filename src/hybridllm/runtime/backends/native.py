@@ -3,10 +3,10 @@
 Built once per model (:func:`hybridllm.kernels.native.build_native_steps`): a native step per
 CPU-resident float32 layer with stacked projections, the head, and the whole token in one call
 when every layer and the head are native; then a prefill chunk of one sequence also runs in one
-call (``hl_prefill_model``). Host int4 layers are held once, in the kernels' block layout. Each step runs natively only where it applies (one
-token per row, float32 activations on the CPU, each row's cache writable in place; a batch of
-rows runs in one call, each row's logits bitwise as alone); otherwise that step runs the
-layer's PyTorch code, exactly as the eager backend would.
+call (``hl_prefill_model``). Host int4 layers are held once, in the kernels' block layout. Each
+step runs natively only where it applies (one token per row, float32 activations on the CPU,
+each row's cache writable in place; a batch of rows runs in one call, each row's logits bitwise
+as alone); otherwise that step runs the layer's PyTorch code, exactly as the eager backend would.
 """
 
 from __future__ import annotations
