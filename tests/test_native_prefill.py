@@ -63,7 +63,7 @@ def test_prefill_linear_matches_the_dequantized_product(request, isa, kind, n, k
     scale = expected.abs().max().item()
     error = (out.double() - expected).abs().max().item() / scale
     bf16_panels = library.hl_prefill_precision().decode() == "bfloat16" and not kind.startswith("float")
-    panels = rows >= (8 if bf16_panels else 20)  # the measured crossovers (prefill_gemm.h's panel_min_rows)
+    panels = bool(library.hl_prefill_uses_panels(native.linear_view(module).struct, rows))
     if panels and bf16_panels:  # activations and weights rounded to bfloat16 (PyTorch's int4/int8 kernels' precision)
         assert error < 2e-2
     elif panels or kind.startswith("float") or isa == "portable":  # float32 products: summation order only

@@ -214,19 +214,20 @@ def diagnose(model: Path | None = None, threads: int | None = None, quick: bool 
 
 
 def native_kernels() -> dict[str, Any]:
-    """Which instruction set the native kernels run on (building them on first use) and the
-    precision of their prefill products on quantized weights, or why they are unavailable (decode
-    and prefill then run through PyTorch)."""
+    """Which instruction set the native kernels run on (building them on first use), whether
+    batches and prefill chunks run on AMX tiles, and the precision of their prefill products on
+    quantized weights, or why they are unavailable (decode and prefill then run through PyTorch)."""
     import os
 
-    from hybridllm.kernels.abi import kernel_isa, prefill_precision
+    from hybridllm.kernels.abi import amx_tiles, kernel_isa, prefill_precision
     from hybridllm.kernels.build import MARCH_ENV, KernelBuildError
 
     march = os.environ.get(MARCH_ENV) or "native"
     try:
-        return {"isa": kernel_isa(), "prefill_precision": prefill_precision(), "march": march, "error": None}
+        return {"isa": kernel_isa(), "amx_tiles": amx_tiles(), "prefill_precision": prefill_precision(),
+                "march": march, "error": None}
     except KernelBuildError as exc:
-        return {"isa": None, "prefill_precision": None, "march": march, "error": str(exc)}
+        return {"isa": None, "amx_tiles": False, "prefill_precision": None, "march": march, "error": str(exc)}
 
 
 def _model_file(model: Path | None) -> tuple[Path | None, dict[str, Any] | None, Any]:
@@ -289,7 +290,8 @@ def print_report(report: dict[str, Any]) -> None:
         meas.add_row("CPU load", report["cpu_load"]["line"])
     k = report.get("kernels")
     if k:
-        meas.add_row("native kernels", f"{k['isa']} (-march={k['march']}), prefill products in "
+        tiles = ", AMX tiles for batches and prefill" if k["amx_tiles"] else ""
+        meas.add_row("native kernels", f"{k['isa']} (-march={k['march']}){tiles}, prefill products in "
                      f"{k['prefill_precision']}" if k["isa"]
                      else f"unavailable, decode and prefill run through PyTorch: {k['error']}")
     meas.add_row("host matmul", f"{p['host_flops'] / 1e9:.1f} GFLOP/s")

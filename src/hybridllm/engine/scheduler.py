@@ -393,12 +393,6 @@ class Scheduler:
         if params.repetition_penalty != 1.0:
             seq.history = torch.tensor(seq.prompt_ids, dtype=torch.long)
         seq.adopt(self._new_cache(seq, on_host=False), self.runtime.runner)
-        if (self.prefix_cache is not None and params.prompt_logprobs is None  # prompt logprobs need every row
-                and not self._rotates_long(len(seq.prompt_ids))):  # stored pages rotate with the short set
-            # at least the last prompt token is prefilled: its logits choose the first token
-            seq.cached_tokens = self.prefix_cache.restore(seq.prompt_ids, seq.cache, len(seq.prompt_ids) - 1,
-                                                          self.prefill_chunk)
-            seq.prefilled = seq.cached_tokens
         if alone:
             self._reset_peaks()
         self.observer.on_scheduled(seq)
@@ -472,6 +466,7 @@ class Scheduler:
         budget = self.prefill_chunk
         used = 0
         for seq in [s for s in self._running if s.in_prefill]:
+            self._reuse_prefix(seq)
             start = seq.prefilled
             end = min(len(seq.prompt_ids), (start // self.prefill_chunk + 1) * self.prefill_chunk)
             if used and used + (end - start) > budget:
@@ -497,6 +492,22 @@ class Scheduler:
             if used >= budget:
                 break
         return used
+
+    def _reuse_prefix(self, seq: SequenceState) -> None:
+        """Before a sequence's first prefill chunk, copy the cached pages of its prompt's prefix
+        into its cache. Asked then rather than at admission, so that requests admitted together
+        reuse the pages of those among them whose prompts were prefilled first (a burst of
+        requests sharing a system prompt prefills it once)."""
+        if seq.prefix_looked_up:
+            return
+        seq.prefix_looked_up = True
+        if (self.prefix_cache is None or seq.prefilled or seq.params.prompt_logprobs is not None  # every row's logits
+                or self._rotates_long(len(seq.prompt_ids))):  # stored pages rotate with the short set
+            return
+        # at least the last prompt token is prefilled: its logits choose the first token
+        seq.cached_tokens = self.prefix_cache.restore(seq.prompt_ids, seq.cache, len(seq.prompt_ids) - 1,
+                                                      self.prefill_chunk)
+        seq.prefilled = seq.cached_tokens
 
     def _forward(self, seq: SequenceState, tokens: list[int], all_logits: bool = False) -> torch.Tensor:
         """One forward of ``tokens`` on the sequence's runner and cache, then its policies.

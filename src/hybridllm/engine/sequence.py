@@ -76,6 +76,7 @@ class SequenceState:
     history: torch.Tensor | None = None
     prefilled: int = 0  # prompt tokens already in the cache
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
+    prefix_looked_up: bool = False  # the prefix cache was asked (right before the first prefill chunk)
     pending: int | None = None  # sampled token not yet fed to the model
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs is set
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated tokens' (when params.logprobs is set)

@@ -40,9 +40,21 @@
 #include <immintrin.h>
 #endif
 
+// The instruction sets the kernels are built for (what -march gave).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define HL_AVX512_VNNI 1
+#else
+#define HL_AVX512_VNNI 0
+#endif
+#if HL_AVX512_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__x86_64__)
+#define HL_AMX 1  // tile multiplies (amx.h)
+#else
+#define HL_AMX 0
+#endif
+
 namespace {
 
-constexpr int32_t ABI_VERSION = 7;
+constexpr int32_t ABI_VERSION = 8;
 constexpr int64_t GROUP = 32;  // values per quantization group (GGUF blocks)
 
 enum KVDtype : int32_t {
@@ -52,9 +64,8 @@ enum KVDtype : int32_t {
 
 enum WeightFormat : int32_t {
   FORMAT_F32 = 0,        // weight (N, K) float32
-  FORMAT_Q4 = 1,         // weight (ceil(N/4), K/32, 80) uint8: blocks of 4 rows x 1 group, read in one
-                         //   stream: 4 x (scale, zero) bfloat16, then 4 x 16 code bytes (byte j of a
-                         //   row = q[j] | q[j+16] << 4); value = (q - 8) * scale + zero. scales unused.
+  FORMAT_Q4 = 1,         // weight (ceil(N/16), K/32, 320) uint8: blocks of 16 rows x 1 group (q4_blocks.h);
+                         //   value = (q - 8) * scale + zero. scales unused.
   FORMAT_Q8_ROWS = 2,    // weight (N, K) int8; scales (N,) float32: value = scale[n] * code
   FORMAT_Q8_GROUPS = 3,  // weight (K/32, N, 32) int8; scales (K/32, N) float32: value = scale[g, n] * code
 };
@@ -106,7 +117,7 @@ int32_t hl_abi_version() { return ABI_VERSION; }
 
 // The instruction set the quantized dot products were compiled for (what -march gave).
 const char* hl_kernel_isa() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#if HL_AVX512_VNNI
   return "avx512-vnni";
 #elif defined(__AVX2__) && defined(__FMA__) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
   return "avx2-vnni";
@@ -249,73 +260,11 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
-// ---- rows of each weight format: ROWS output rows at once share the loads of x --------------
-constexpr int ROWS = 4;
-constexpr int64_t Q4_BLOCK = ROWS * 4 + ROWS * 16;  // bytes of one group of a 4-row block
+// ---- rows of each weight format ---------------------------------------------------------------
+constexpr int ROWS = 4;  // float32 and Q8-row products: output rows at once, sharing the loads of x
 
-// The input row of a product as each path reads it: float32 values, their per-group sums (the
-// zero-point terms of Q4), and (x86) two int8 digits per value for integer dot products:
-//   x ~= q_scales[g] * (q + q_low / 128),
-// q = round(x / scale) with scale = max|x_g| / 127, and q_low the rounded remainder in 1/128
-// steps (|q_low| <= 64). Two integer dots per group then carry ~15 bits of each activation
-// (one int8 digit alone, as llama.cpp uses, moves this model's logits ~20x more than bfloat16).
-struct Activation {
-  const float* x;         // (K,)
-  const float* sums;      // (K/32,)
-  const float* q_scales;  // (K/32,)
-  const int8_t* q;        // (K,)
-  const int8_t* q_low;    // (K,)
-};
-
-// The prepared rows of one product's input (M, K); each thread keeps one, reused across calls.
-class ActivationRows {
- public:
-  void prepare(const float* x, int64_t rows, int64_t k, bool with_sums, bool quantize) {
-    x_ = x;
-    rows_ = rows;
-    k_ = k;
-    groups_ = with_sums ? k / GROUP : 0;
-    sums_.resize(rows * groups_);
-    q_scales_.resize(quantize ? rows * groups_ : 0);
-    q_.resize(quantize ? rows * k : 0);
-    q_low_.resize(quantize ? rows * k : 0);
-    for (int64_t g = 0; g < rows * groups_; ++g) {
-      const float* xg = x + g * GROUP;  // rows are contiguous, so group g of all rows in turn
-      float sum = 0.0f, amax = 0.0f;
-#pragma omp simd reduction(+ : sum) reduction(max : amax)
-      for (int j = 0; j < GROUP; ++j) {
-        sum += xg[j];
-        amax = std::max(amax, std::fabs(xg[j]));
-      }
-      sums_[g] = sum;
-      if (!quantize) continue;
-      const float scale = amax / 127.0f;
-      const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-      q_scales_[g] = scale;
-      int8_t* q = q_.data() + g * GROUP;
-      int8_t* q_low = q_low_.data() + g * GROUP;
-#pragma omp simd
-      for (int j = 0; j < GROUP; ++j) {
-        const float scaled = xg[j] * inverse;
-        const float high = std::nearbyint(scaled);
-        q[j] = static_cast<int8_t>(high);
-        q_low[j] = static_cast<int8_t>(std::nearbyint((scaled - high) * 128.0f));
-      }
-    }
-  }
-  int64_t rows() const { return rows_; }
-  Activation row(int64_t i) const {
-    const bool quantized = !q_.empty();
-    return {x_ + i * k_, sums_.data() + i * groups_, quantized ? q_scales_.data() + i * groups_ : nullptr,
-            quantized ? q_.data() + i * k_ : nullptr, quantized ? q_low_.data() + i * k_ : nullptr};
-  }
-
- private:
-  const float* x_ = nullptr;
-  int64_t rows_ = 0, k_ = 0, groups_ = 0;
-  std::vector<float> sums_, q_scales_;
-  std::vector<int8_t> q_, q_low_;
-};
+#include "activations.h"
+#include "q4_blocks.h"
 
 // out[r] = W[r] . x for ROWS float32 rows starting at w (row stride k).
 void rows_f32(const float* w, const float* x, int64_t k, float* out) {
@@ -333,149 +282,14 @@ void rows_f32(const float* w, const float* x, int64_t k, float* out) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-constexpr bool QUANTIZED_ACTIVATIONS = true;
-
 // 8 int32 lanes, each the sum of 4 products of unsigned bytes a and signed bytes b.
-inline __m256i dot_u8_s8(__m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));  // |a * b| * 2 < 2^15 here
-#endif
-}
+inline __m256i dot_u8_s8(__m256i a, __m256i b) { return dot_accumulate(_mm256_setzero_si256(), a, b); }
 
 inline float sum8(__m256 v) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
-
-// Q4 rows: value = (q - 8) * scale + zero per group of 32, so row . x =
-//   sum_g scale_g * (q_g . x_g) + (zero_g - 8 scale_g) * sum(x_g).
-// q_g . x_g is an integer dot with the int8 copy of x; the zero-point term uses x's float sums.
-// `blocks` points at this row block's first (group) block of Q4_BLOCK bytes. MT input rows
-// (m0 ..) at once: each group's codes are unpacked once and stay in registers for all of them,
-// while each (input row, weight row) pair gets exactly the operations, in the same order, that
-// it gets alone (MT = 1): batch-invariant. out: row m's 4 results at out + m * n_out.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
-constexpr int Q4_TILE = 4;
-
-// The same on 512-bit registers, two weight rows per register ([row r's 8 lanes, row r+1's 8
-// lanes]): every lane gets the very operations of the 256-bit version below, so the results
-// are the same bits; half the instructions.
-template <int MT>
-void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
-                  int64_t n_out) {
-  __m512 acc[MT][ROWS / 2];
-  __m128 offsets[MT];
-  Activation a[MT];
-  for (int m = 0; m < MT; ++m) {
-    a[m] = acts.row(m0 + m);
-    offsets[m] = _mm_setzero_ps();
-    for (int p = 0; p < ROWS / 2; ++p) acc[m][p] = _mm512_setzero_ps();
-  }
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
-  const __m512i first_pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i second_pair = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = blocks + g * Q4_BLOCK;
-    __builtin_prefetch(block + 8 * Q4_BLOCK);
-    const __m256 sz = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))), 16));
-    const __m128 lo = _mm256_castps256_ps128(sz), hi = _mm256_extractf128_ps(sz, 1);
-    const __m128 scale = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));  // s0 s1 s2 s3
-    const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
-    const __m128 zero_terms = _mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero);
-    const uint8_t* codes = block + ROWS * 4;
-    __m512i q[ROWS / 2];  // rows (2p, 2p + 1): [low nibbles r, high nibbles r, low r + 1, high r + 1]
-    for (int p = 0; p < ROWS / 2; ++p) {
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + p * 32));
-      const __m512i low_high = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_and_si256(c, low_nibbles)),
-          _mm256_and_si256(_mm256_srli_epi16(c, 4), low_nibbles), 1);  // [low r, low r+1, high r, high r+1]
-      q[p] = _mm512_shuffle_i64x2(low_high, low_high, _MM_SHUFFLE(3, 1, 2, 0));
-    }
-    for (int m = 0; m < MT; ++m) {
-      offsets[m] = _mm_fmadd_ps(zero_terms, _mm_set1_ps(a[m].sums[g]), offsets[m]);
-      const __m512 scales = _mm512_castps128_ps512(_mm_mul_ps(scale, _mm_set1_ps(a[m].q_scales[g] / 128.0f)));
-      const __m512i xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + g * GROUP)));
-      const __m512i xq_low =
-          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q_low + g * GROUP)));
-      for (int p = 0; p < ROWS / 2; ++p) {
-        // 128 * (q . xq) + q . xq_low: the second dot accumulates onto the shifted first (the same integer)
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[p], xq), 7),
-                                                q[p], xq_low);
-        const __m512 pair_scales = _mm512_permutexvar_ps(p == 0 ? first_pair : second_pair, scales);
-        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair_scales, acc[m][p]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    alignas(16) float offset_sums[ROWS];
-    _mm_store_ps(offset_sums, offsets[m]);
-    float* o = out + (m0 + m) * n_out;
-    for (int p = 0; p < ROWS / 2; ++p) {
-      o[2 * p] = sum8(_mm512_castps512_ps256(acc[m][p])) + offset_sums[2 * p];
-      o[2 * p + 1] = sum8(_mm512_extractf32x8_ps(acc[m][p], 1)) + offset_sums[2 * p + 1];
-    }
-  }
-}
-#else
-#if defined(__AVX512F__) && defined(__AVX512VL__)
-constexpr int Q4_TILE = 4;  // 32 vector registers: 16 accumulators + 4 unpacked code rows fit
-#else
-constexpr int Q4_TILE = 2;
-#endif
-
-template <int MT>
-void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
-                  int64_t n_out) {
-  __m256 acc[MT][ROWS];
-  __m128 offsets[MT];
-  Activation a[MT];
-  for (int m = 0; m < MT; ++m) {
-    a[m] = acts.row(m0 + m);
-    offsets[m] = _mm_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) acc[m][r] = _mm256_setzero_ps();
-  }
-  const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-  alignas(16) float scales[ROWS];
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = blocks + g * Q4_BLOCK;
-    __builtin_prefetch(block + 8 * Q4_BLOCK);
-    const __m256 sz = _mm256_castsi256_ps(
-        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))), 16));
-    const __m128 lo = _mm256_castps256_ps128(sz), hi = _mm256_extractf128_ps(sz, 1);
-    const __m128 scale = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));  // s0 s1 s2 s3
-    const __m128 zero = _mm_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));   // z0 z1 z2 z3
-    const __m128 zero_terms = _mm_fnmadd_ps(_mm_set1_ps(8.0f), scale, zero);
-    const uint8_t* codes = block + ROWS * 4;
-    __m256i q[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
-      q[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low_nibbles), _mm_and_si128(c, low_nibbles));
-    }
-    for (int m = 0; m < MT; ++m) {
-      offsets[m] = _mm_fmadd_ps(zero_terms, _mm_set1_ps(a[m].sums[g]), offsets[m]);
-      _mm_store_ps(scales, _mm_mul_ps(scale, _mm_set1_ps(a[m].q_scales[g] / 128.0f)));
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + g * GROUP));
-      const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q_low + g * GROUP));
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_u8_s8(q[r], xq), 7), dot_u8_s8(q[r], xq_low));
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scales[r]), acc[m][r]);
-      }
-    }
-  }
-  for (int m = 0; m < MT; ++m) {
-    alignas(16) float offset_sums[ROWS];
-    _mm_store_ps(offset_sums, offsets[m]);
-    float* o = out + (m0 + m) * n_out;
-    for (int r = 0; r < ROWS; ++r) o[r] = sum8(acc[m][r]) + offset_sums[r];
-  }
-}
-#endif
 
 // One group of 32 signed codes w against the two int8 digits of the activations: 8 int32
 // partial sums of 128 * (w . q) + w . q_low.
@@ -490,9 +304,9 @@ inline __m256i dot_s8_s8(const int8_t* w, __m256i xq, __m256i xq_low) {
 void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
   __m256 acc[ROWS] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t i = 0; i < k; i += GROUP) {
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + i));
-    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + i));
-    const __m256 x_scale = _mm256_set1_ps(a.q_scales[i / GROUP] / 128.0f);
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.high(i / GROUP)));
+    const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.low(i / GROUP)));
+    const __m256 x_scale = _mm256_set1_ps(a.dot_scales[i / GROUP]);
     for (int r = 0; r < ROWS; ++r)
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8_s8(w + r * k + i, xq, xq_low)), x_scale, acc[r]);
   }
@@ -507,11 +321,14 @@ inline __m256i sum_each_of_8(const __m256i d[8]) {
                           _mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#if HL_AVX512_VNNI
 // Rows n0..n1-1 (n1 - n0 a multiple of 8) of a (G, N, 32) table with (G, N) scales (the GGUF
 // Q8_0 head), group by group, for every prepared input row m: on 512-bit registers, two code
 // rows per register, their magnitudes and signs taken once for all input rows. The integer
-// dots are exact, so they equal the 256-bit version's; the float steps are the same.
+// dots are exact, so they equal the 256-bit version's (and AMX tiles'); the float steps are the
+// same: out = fma(float(D), scale[g, n] * dot_scales[g], out) over the groups from 0,
+// written as fused multiply-adds (a multiply and an add left to the compiler may or may not be
+// contracted into one, differently in different kernels).
 void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
                      int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
   const __m512i zero = _mm512_setzero_si512();
@@ -534,9 +351,8 @@ void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows&
       const __m256 row_scale_values = _mm256_loadu_ps(slab_scales + n);
       for (int64_t m = 0; m < acts.rows(); ++m) {
         const Activation a = acts.row(m);
-        const __m512i xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP)));
-        const __m512i xq_low =
-            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP)));
+        const __m512i xq = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.high(g))));
+        const __m512i xq_low = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.low(g))));
         __m256i dots[8];
         for (int p = 0; p < 4; ++p) {
           const __m512i signed_q = _mm512_mask_sub_epi8(xq, negative[p], zero, xq);  // x * sign(code)
@@ -546,10 +362,10 @@ void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows&
           dots[2 * p] = _mm512_castsi512_si256(dot);
           dots[2 * p + 1] = _mm512_extracti64x4_epi64(dot, 1);
         }
-        const __m256 row_scales = _mm256_mul_ps(row_scale_values, _mm256_set1_ps(a.q_scales[g] / 128.0f));
-        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
+        const __m256 row_scales = _mm256_mul_ps(row_scale_values, _mm256_set1_ps(a.dot_scales[g]));
         float* o = out + m * n_out + n;
-        _mm256_storeu_ps(o, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(o), partial));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales,
+                                            g == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o)));
       }
     }
   }
@@ -572,52 +388,22 @@ void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows&
       __builtin_prefetch(rows + 16 * 8 * GROUP + 192);
       for (int64_t m = 0; m < acts.rows(); ++m) {
         const Activation a = acts.row(m);
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + g * GROUP));
-        const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_low + g * GROUP));
-        const __m256 x_scale = _mm256_set1_ps(a.q_scales[g] / 128.0f);
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.high(g)));
+        const __m256i xq_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.low(g)));
+        const __m256 x_scale = _mm256_set1_ps(a.dot_scales[g]);
         __m256i dots[8];
         for (int r = 0; r < 8; ++r) dots[r] = dot_s8_s8(rows + r * GROUP, xq, xq_low);
         const __m256 row_scales = _mm256_mul_ps(_mm256_loadu_ps(slab_scales + n), x_scale);
-        const __m256 partial = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales);
         float* o = out + m * n_out + n;
-        _mm256_storeu_ps(o, g == 0 ? partial : _mm256_add_ps(_mm256_loadu_ps(o), partial));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_each_of_8(dots)), row_scales,
+                                            g == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o)));
       }
     }
   }
 }
 #endif
 #else
-constexpr bool QUANTIZED_ACTIVATIONS = false;  // portable float path
-
-inline f32x16 u8_to_f32(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
 inline f32x16 i8_to_f32(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
-
-void rows_q4(const uint8_t* blocks, const Activation& a, int64_t groups, float* out) {
-  f32x16 acc[ROWS] = {};
-  float offset_acc[ROWS] = {};
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = blocks + g * Q4_BLOCK;
-    const f32x16 x_lo = load<f32x16>(a.x + g * GROUP), x_hi = load<f32x16>(a.x + g * GROUP + 16);
-    uint16_t sz[2 * ROWS];
-    std::memcpy(sz, block, sizeof sz);
-    for (int r = 0; r < ROWS; ++r) {
-      const u8x16 c = load<u8x16>(block + ROWS * 4 + r * 16);
-      const f32x16 dot = u8_to_f32(c & 15) * x_lo + u8_to_f32(c >> 4) * x_hi;
-      const float scale = bf16_to_float(sz[2 * r]);
-      acc[r] += dot * scale;
-      offset_acc[r] += (bf16_to_float(sz[2 * r + 1]) - 8.0f * scale) * a.sums[g];
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) out[r] = sum16(acc[r]) + offset_acc[r];
-}
-
-constexpr int Q4_TILE = 1;
-
-template <int MT>
-void rows_q4_tile(const uint8_t* blocks, const ActivationRows& acts, int64_t m0, int64_t groups, float* out,
-                  int64_t n_out) {
-  for (int m = 0; m < MT; ++m) rows_q4(blocks, acts.row(m0 + m), groups, out + (m0 + m) * n_out);
-}
 
 void rows_q8(const int8_t* w, const Activation& a, int64_t k, float* out) {
   f32x16 acc[ROWS] = {};
@@ -655,9 +441,19 @@ void q8_groups_range(const int8_t* w, const float* scales, const ActivationRows&
 }
 #endif
 
-// The same for one row (the remainder when N is not a multiple of ROWS), plain loops.
+#include "amx.h"
+
+// Whether x @ W.T of `rows` input rows runs on AMX tiles (the same results as the vector kernels).
+inline bool tile_product(const HLLinear& w, int64_t rows) {
+  if (!amx_usable()) return false;
+  if (w.format == FORMAT_Q4) return rows >= AMX_MIN_ROWS_Q4;
+  return w.format == FORMAT_Q8_GROUPS && rows >= AMX_MIN_ROWS_Q8;
+}
+
+// The same for one row (the remainder when N is not a multiple of ROWS; not Q4, whose blocks
+// cover every row), plain loops.
 float row_tail(const HLLinear& w, const float* x, int64_t n) {
-  const int64_t k = w.in_features, groups = k / GROUP;
+  const int64_t k = w.in_features;
   float s = 0.0f;
   for (int64_t i = 0; i < k; ++i) {
     const int64_t g = i / GROUP, j = i % GROUP;
@@ -666,15 +462,6 @@ float row_tail(const HLLinear& w, const float* x, int64_t n) {
       case FORMAT_F32:
         value = static_cast<const float*>(w.weight)[n * k + i];
         break;
-      case FORMAT_Q4: {
-        const uint8_t* block = static_cast<const uint8_t*>(w.weight) + ((n / ROWS) * groups + g) * Q4_BLOCK;
-        const uint8_t byte = block[ROWS * 4 + (n % ROWS) * 16 + j % 16];
-        const int q = j < 16 ? (byte & 15) : (byte >> 4);
-        uint16_t sz[2];
-        std::memcpy(sz, block + (n % ROWS) * 4, sizeof sz);
-        value = static_cast<float>(q - 8) * bf16_to_float(sz[0]) + bf16_to_float(sz[1]);
-        break;
-      }
       case FORMAT_Q8_ROWS:
         value = static_cast<const float*>(w.scales)[n] * static_cast<const int8_t*>(w.weight)[n * k + i];
         break;
@@ -688,24 +475,43 @@ float row_tail(const HLLinear& w, const float* x, int64_t n) {
   return s;
 }
 
-// out[m, n0:n1] of x @ W.T (+ bias) for every prepared row m (out is (M, N)). Each block of
-// weight rows is read once for all M input rows (it stays in L1 between them).
+// out[m, n0:n1] of x @ W.T (+ bias) for every prepared row m (out is (M, N)); n0 a multiple of
+// 16. Each block of weight rows is read once for all M input rows (it stays in L1 between them);
+// with many input rows, on tiles where the CPU has them (tile_product; the same results).
 void linear_rows(const HLLinear& w, const ActivationRows& acts, float* out, int64_t n0, int64_t n1) {
   const int64_t k = w.in_features, groups = k / GROUP, n_out = w.out_features, m_rows = acts.rows();
+  [[maybe_unused]] const bool tiles = tile_product(w, m_rows);
   int64_t n = n0;
-  if (w.format == FORMAT_Q8_GROUPS) {  // group-major over the whole range, 8 rows at a time
-    n = n0 + (n1 - n0) / 8 * 8;
-    q8_groups_range(static_cast<const int8_t*>(w.weight), static_cast<const float*>(w.scales), acts, n0, n, n_out,
-                    groups, out, n_out);
+  if (w.format == FORMAT_Q4) {  // whole blocks of 16 rows (the last one may hold fewer)
+    for (; n < n1; n += Q4_ROWS) {
+      const uint8_t* blocks = static_cast<const uint8_t*>(w.weight) + (n / Q4_ROWS) * groups * Q4_BLOCK_BYTES;
+      const int n_valid = static_cast<int>(std::min(Q4_ROWS, n1 - n));
+#if HL_AMX
+      if (tiles) {
+        q4_rows_amx(blocks, acts, groups, out + n, n_out, n_valid);
+        continue;
+      }
+#endif
+      int64_t m = 0;  // input rows in tiles that share each group's unpacked codes
+      for (; m + Q4_TILE <= m_rows; m += Q4_TILE) q4_rows<Q4_TILE>(blocks, acts, m, groups, out + n, n_out, n_valid);
+      for (; m < m_rows; ++m) q4_rows<1>(blocks, acts, m, groups, out + n, n_out, n_valid);
+    }
+  }
+  if (w.format == FORMAT_Q8_GROUPS) {  // group-major over the whole range, 16 or 8 rows at a time
+    const int8_t* codes = static_cast<const int8_t*>(w.weight);
+    const float* scales = static_cast<const float*>(w.scales);
+#if HL_AMX
+    if (tiles) {
+      const int64_t whole = n0 + (n1 - n0) / 16 * 16;
+      q8_groups_range_amx(codes, scales, acts, n0, whole, n_out, groups, out, n_out);
+      n = whole;
+    }
+#endif
+    const int64_t end = n + (n1 - n) / 8 * 8;
+    q8_groups_range(codes, scales, acts, n, end, n_out, groups, out, n_out);
+    n = end;
   }
   for (; n + ROWS <= n1; n += ROWS) {
-    if (w.format == FORMAT_Q4) {  // input rows in tiles that share each group's unpacked codes
-      const uint8_t* blocks = static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK;
-      int64_t m = 0;
-      for (; m + Q4_TILE <= m_rows; m += Q4_TILE) rows_q4_tile<Q4_TILE>(blocks, acts, m, groups, out + n, n_out);
-      for (; m < m_rows; ++m) rows_q4_tile<1>(blocks, acts, m, groups, out + n, n_out);
-      continue;
-    }
     for (int64_t m = 0; m < m_rows; ++m) {
       const Activation a = acts.row(m);
       float* o = out + m * n_out + n;
@@ -895,18 +701,38 @@ struct Share {
   }
 };
 
+// From this many input rows a team prepares them together (each thread a share, then a
+// barrier); fewer, each thread prepares them all itself (no barrier).
+constexpr int64_t SHARED_PREPARATION_ROWS = 64;
+
 // The output columns of x @ W.T (x: (rows, K) -> out: (rows, N)) split in contiguous ranges,
-// one per thread (multiples of 16: whole cache lines of out, and the same 4- and 8-row weight
-// blocks whatever the team size), then a barrier. Each thread prepares x itself (sums, int8
-// digits): no extra barrier. A row's result does not depend on the other rows or the team size.
-void linear_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows) {
-  thread_local ActivationRows acts;
+// one per thread (multiples of 16: whole cache lines of out, and the same 4-, 8- and 16-row
+// weight blocks whatever the team size), then a barrier. The input rows are prepared (sums, int8
+// digits) by each thread itself, or with many rows and a `shared` buffer by the team together.
+// A row's result does not depend on the other rows or the team size.
+void linear_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows,
+                 ActivationRows* shared = nullptr) {
+  thread_local ActivationRows own;
   const bool quantized_weights = w.format != FORMAT_F32;
-  acts.prepare(x, rows, w.in_features, quantized_weights, quantized_weights && QUANTIZED_ACTIVATIONS);
+  const bool quantize = quantized_weights && QUANTIZED_ACTIVATIONS;
+  const TileLayout tiles = !tile_product(w, rows)  ? TileLayout::NONE
+                           : w.format == FORMAT_Q4  ? TileLayout::SCALES
+                                                    : TileLayout::COLUMNS;  // the Q8-group tile kernel
+  ActivationRows* acts = &own;
+  if (shared != nullptr && rows >= SHARED_PREPARATION_ROWS) {
+    acts = shared;
+    if (team.thread == 0) shared->reset(x, rows, w.in_features, quantized_weights, quantize, tiles);
+    team.barrier();
+    const Share blocks((rows + TILE_M - 1) / TILE_M, team);
+    shared->fill(blocks.first * TILE_M, std::min(rows, blocks.last * TILE_M));
+    team.barrier();
+  } else {
+    own.prepare(x, rows, w.in_features, quantized_weights, quantize, tiles);
+  }
   const int64_t n = w.out_features;
   const int64_t per = ((n + team.size - 1) / team.size + 15) / 16 * 16;
   const int64_t n0 = std::min<int64_t>(n, team.thread * per), n1 = std::min(n, n0 + per);
-  linear_rows(w, acts, out, n0, n1);
+  linear_rows(w, *acts, out, n0, n1);
   team.barrier();
 }
 
@@ -1119,6 +945,7 @@ struct Workspace {
   std::vector<int64_t> item_offsets;  // (rows + 1,): where each row's attention items start
   bool prefill;                       // the rows are one sequence's consecutive positions
   prefill::Inputs inputs;             // prefill products: the input rows as the panels read them
+  ActivationRows acts;                // the decode products' input rows, prepared by the team
   Workspace(const HLDecoderLayer& w, int64_t rows, bool prefill_rows = false) : prefill(prefill_rows) {
     const int64_t d = w.head_dim, q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
     const int64_t items = AttentionSplit::max_items(w.n_kv_heads);
@@ -1140,13 +967,21 @@ struct Workspace {
   }
 };
 
-// x @ W.T for `rows` rows: decode's batch-invariant products, or (a prefill chunk of at least
-// prefill::panel_min_rows rows) the dequantized-panel products.
+// Whether a prefill chunk's product runs through dequantized panels (prefill_gemm.h) rather than
+// the decode products: from prefill::panel_min_rows rows on, except for Q4 and Q8-group weights
+// on a CPU with AMX tiles, whose decode products are faster than the panels from the tiles'
+// crossover on and the same bits below it (so a prefill row never depends on the chunk's size).
+inline bool panel_product(const HLLinear& w, int64_t rows) {
+  return !tile_product(w, TILE_M) && rows >= prefill::panel_min_rows(w);
+}
+
+// x @ W.T for `rows` rows: decode's batch-invariant products, or (a prefill chunk, see
+// panel_product) the dequantized-panel products.
 void products_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows, Workspace& ws) {
-  if (ws.prefill && rows >= prefill::panel_min_rows(w)) {
+  if (ws.prefill && panel_product(w, rows)) {
     prefill::linear_team(team, w, ws.inputs, x, out, rows);
   } else {
-    linear_team(team, w, x, out, rows);
+    linear_team(team, w, x, out, rows, &ws.acts);
   }
 }
 
@@ -1318,10 +1153,14 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
 }
 
 // out = x @ W.T (+ bias) for the many rows of a prefill chunk (rows, in_features) -> (rows,
-// out_features): dequantized panels (prefill_gemm.h) from prefill::panel_min_rows rows on, the decode
+// out_features): dequantized panels (prefill_gemm.h) where panel_product says so, the decode
 // products below that.
 void hl_prefill_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
-  if (rows < prefill::panel_min_rows(*w)) return hl_linear(w, x, out, rows, n_threads);
+  if (!panel_product(*w, rows)) {
+    static ActivationRows acts;  // one team runs at a time (the pool's lock)
+    run_team(n_threads, [&](const Team& team) { linear_team(team, *w, x, out, rows, &acts); });
+    return;
+  }
   static prefill::Inputs inputs;  // one team runs at a time (the pool's lock): scratch shared by calls
   run_team(n_threads, [&](const Team& team) {
     if (team.thread == 0) inputs.reserve(rows, w->in_features);  // under the lock
@@ -1333,6 +1172,23 @@ void hl_prefill_linear(const HLLinear* w, const float* x, float* out, int64_t ro
 // The element type of quantized weights' prefill panels: "bfloat16" (AVX512-BF16 pair dots) or
 // "float32" (float32 weights always use float32 panels).
 const char* hl_prefill_precision() { return prefill::HAVE_BF16_DOTS ? "bfloat16" : "float32"; }
+
+// Whether hl_prefill_linear's product of `rows` rows with w runs through dequantized panels (1) or
+// the decode products (0).
+int32_t hl_prefill_uses_panels(const HLLinear* w, int64_t rows) { return panel_product(*w, rows); }
+
+// Whether products of many rows run on AMX tiles: built for them, granted by the OS, and on.
+int32_t hl_amx() { return amx_usable(); }
+
+// Turn the AMX tiles on (1) or off (0; the vector kernels give the same results); returns hl_amx().
+int32_t hl_set_amx(int32_t on) {
+#if HL_AMX
+  amx_enabled.store(on != 0);
+#else
+  (void)on;
+#endif
+  return hl_amx();
+}
 
 // Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens (float32 or
 // float16, kv_dtype) -> out (H, D).
@@ -1390,7 +1246,7 @@ void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, i
       rms_norm(x + r * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);
     team.barrier();
     PHASE_END(team, FINAL_NORM);
-    linear_team(team, *head, ws.normed.data(), logits, rows);
+    linear_team(team, *head, ws.normed.data(), logits, rows, &ws.acts);
     PHASE_END(team, HEAD);
   });
 }

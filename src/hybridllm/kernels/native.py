@@ -34,9 +34,10 @@ they are listed in ``report.skipped``.
 Weights the kernels read, all in place (one copy of every weight, whatever path reads it):
 
 - float32 ``nn.Linear``: the weight itself;
-- int4: :class:`~hybridllm.kernels.native_linear.NativeInt4Linear` blocks of 4 rows x 32 inputs
-  (:func:`pack_int4_blocks`: their bfloat16 scale/zero, then GGUF-style nibbles; one sequential
-  stream per thread reads faster than one stream per row). Building the steps moves every host
+- int4: :class:`~hybridllm.kernels.native_linear.NativeInt4Linear` blocks of 16 rows x 32 inputs
+  (:func:`pack_int4_blocks`: their bfloat16 scales and zeros, then the codes in the operand layout
+  of the integer dots and of AMX tiles; one sequential stream per thread reads faster than one
+  stream per row). Building the steps moves every host
   ``Int4Linear`` into that layout (PyTorch's packed layout is not kept: prefill reads the blocks);
 - ``Int8Linear`` codes with float32 row scales; the ``Int8GroupedLinear`` head/embedding table.
 """
@@ -60,14 +61,16 @@ from hybridllm.kernels.abi import (
     GROUP,
     KV_DTYPES,
     MAX_HEAD_DIM,
-    ROWS,
+    Q4_ROWS,
     HLDecoderLayer,
     HLLayerCache,
     HLLinear,
     _declare,
+    amx_tiles,
     kernel_isa,
     kernels,
     pack_int4_blocks,
+    unpack_int4_blocks,
 )
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
 from hybridllm.kernels.native_linear import NativeInt4Linear, hold_int4_natively
@@ -436,7 +439,7 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
 
 
 __all__ = ["FORMAT_F32", "FORMAT_Q4", "FORMAT_Q8_GROUPS", "FORMAT_Q8_ROWS", "GROUP", "KV_DTYPES", "MAX_HEAD_DIM",
-           "ROWS", "DecodeTeam", "HLDecoderLayer", "HLLayerCache", "HLLinear", "KernelBuildError", "NativeDecodeLayer",
+           "Q4_ROWS", "DecodeTeam", "HLDecoderLayer", "HLLayerCache", "HLLinear", "KernelBuildError", "NativeDecodeLayer",
            "NativeHead", "NativeInt4Linear", "NativeModel", "NativeReport", "NativeSteps", "attention",
-           "build_native_steps", "float32_view", "kernel_isa", "kernels", "linear", "linear_view", "pack_int4_blocks",
-           "prefill_attention", "prefill_linear", "row_caches"]
+           "amx_tiles", "build_native_steps", "float32_view", "kernel_isa", "kernels", "linear", "linear_view", "pack_int4_blocks",
+           "prefill_attention", "prefill_linear", "row_caches", "unpack_int4_blocks"]

@@ -2,7 +2,7 @@
 
     replaced = hold_int4_natively(model)   # every CPU Int4Linear -> NativeInt4Linear, in place
 
-PyTorch's CPU int4 kernel wants its own packed layout; the native decode kernels read 4-row
+PyTorch's CPU int4 kernel wants its own packed layout; the native decode kernels read 16-row
 blocks (:func:`hybridllm.kernels.native.pack_int4_blocks`). Keeping both doubled the int4
 weights' memory. A :class:`NativeInt4Linear` holds only the blocks, and every path reads them:
 the native decode step in place, prefill chunks and any other product through
@@ -24,14 +24,14 @@ import torch
 from torch import nn
 
 from hybridllm.errors import ConfigError
-from hybridllm.kernels.abi import FORMAT_Q4, GROUP, ROWS, HLLinear, kernels, pack_int4_blocks
+from hybridllm.kernels.abi import FORMAT_Q4, GROUP, HLLinear, kernels, pack_int4_blocks, unpack_int4_blocks
 from hybridllm.models.quantized import Int4Linear, release_unpack_tables
 
 
 class NativeInt4Linear(Int4Linear):
     """An :class:`~hybridllm.models.quantized.Int4Linear` whose only copy is the native block layout.
 
-    Buffers: ``weight`` ((ceil(N/4), K/32, 80) uint8 blocks, CPU). ``forward`` runs the native
+    Buffers: ``weight`` ((ceil(N/16), K/32, 320) uint8 blocks, CPU). ``forward`` runs the native
     product (float32 activations, float32 results; bfloat16 pair dots where the CPU has them,
     as PyTorch's int4 kernel computes). Lives on the CPU only.
     """
@@ -67,17 +67,11 @@ class NativeInt4Linear(Int4Linear):
     @property
     def scales_and_zeros(self) -> torch.Tensor:
         """(K/32, N, 2) bfloat16 scale and zero per group, read from the blocks."""
-        n, groups = self.out_features, self.in_features // GROUP
-        sz = self.weight[..., : ROWS * 4].contiguous().view(torch.bfloat16)  # (N/4, G, 8): 4 x (scale, zero)
-        sz = sz.reshape(-1, groups, ROWS, 2).transpose(1, 2).reshape(-1, groups, 2)[:n]  # (N, G, 2)
-        return sz.transpose(0, 1).contiguous()
+        return unpack_int4_blocks(self.weight, self.out_features, self.in_features)[1]
 
     def unpack_codes(self) -> torch.Tensor:
         """(N, K) uint8 codes 0..15."""
-        n, groups = self.out_features, self.in_features // GROUP
-        nibbles = self.weight[..., ROWS * 4:].reshape(-1, groups, ROWS, GROUP // 2)  # (N/4, G, 4, 16)
-        codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)  # (N/4, G, 4, 32): q[j], then q[j + 16]
-        return codes.transpose(1, 2).reshape(-1, self.in_features)[:n].contiguous()
+        return unpack_int4_blocks(self.weight, self.out_features, self.in_features)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":

@@ -20,7 +20,7 @@
 
 namespace prefill {
 
-constexpr int64_t PANEL = 16;  // weight rows dequantized at a time (4 Q4 blocks of 4 rows)
+constexpr int64_t PANEL = 16;  // weight rows dequantized at a time (one Q4 block row)
 constexpr int64_t CHUNK_BYTES = 8 << 20;  // input rows multiplied per dequantized panel: up to this many bytes of them (L2/L3)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -140,13 +140,13 @@ template <typename V>
 void row_values(const HLLinear& w, int64_t n, V* out) {
   const int64_t k = w.in_features, groups = k / GROUP;
   if (w.format == FORMAT_Q4) {
-    const uint8_t* blocks = static_cast<const uint8_t*>(w.weight) + (n / ROWS) * groups * Q4_BLOCK;
-    const int r = static_cast<int>(n % ROWS);
+    const uint8_t* blocks = static_cast<const uint8_t*>(w.weight) + (n / Q4_ROWS) * groups * Q4_BLOCK_BYTES;
+    const int64_t r = n % Q4_ROWS;
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* block = blocks + g * Q4_BLOCK;
-      uint16_t sz[2];
-      std::memcpy(sz, block + r * 4, sizeof sz);
-      q4_group_values(block + ROWS * 4 + r * 16, bf16_to_float(sz[0]), bf16_to_float(sz[1]), out + g * GROUP);
+      const uint8_t* block = blocks + g * Q4_BLOCK_BYTES;
+      uint8_t codes[16];
+      q4_row_codes(block, r, codes);
+      q4_group_values(codes, q4_scale(block, r), q4_zero(block, r), out + g * GROUP);
     }
   } else if (w.format == FORMAT_F32) {  // any K
     convert_values(static_cast<const float*>(w.weight) + n * k, k, out);
