@@ -462,25 +462,34 @@ class Scheduler:
         return [logits[row, -1] for row in range(len(batch))]
 
     def _prefill_step(self) -> int:
-        """Prefill chunks of new sequences, up to ``prefill_chunk`` tokens; returns the tokens run."""
+        """Prefill chunks of new sequences, up to ``prefill_chunk`` tokens, in one forward where
+        the runner takes several sequences' chunks at once (else one per sequence); returns the
+        tokens run. A sequence whose prompt starts with the page another one is prefilling in
+        this step waits for the next step, and reuses that page then."""
         budget = self.prefill_chunk
         used = 0
+        planned: list[tuple[SequenceState, int, int]] = []
+        in_flight: set[bytes] = set()  # first pages being prefilled (not cached yet) in this step
         for seq in [s for s in self._running if s.in_prefill]:
+            first_page = self._first_page(seq)
+            if first_page in in_flight:
+                continue
             self._reuse_prefix(seq)
             start = seq.prefilled
             end = min(len(seq.prompt_ids), (start // self.prefill_chunk + 1) * self.prefill_chunk)
             if used and used + (end - start) > budget:
                 break
             used += end - start
-            want_prompt_logprobs = seq.params.prompt_logprobs is not None
-            try:
-                # (1, T, vocab) when the prompt's log-probabilities are asked, else (1, 1, vocab)
-                logits = self._forward(seq, seq.prompt_ids[start:end], all_logits=want_prompt_logprobs)
-            except Exception as exc:
-                self._fail(seq, exc, "prefill failed")
+            planned.append((seq, start, end))
+            if first_page is not None and start == 0:
+                in_flight.add(first_page)
+            if used >= budget:
+                break
+        for (seq, start, end), logits in zip(planned, self._prefill_forwards(planned)):
+            if logits is None:  # failed (the sequence has ended with its error)
                 continue
             seq.prefilled = end
-            if want_prompt_logprobs:
+            if seq.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(seq, start, end, logits[0])
             if end == len(seq.prompt_ids):
                 if self.runtime.placement.decode_on == "host":
@@ -489,9 +498,58 @@ class Scheduler:
                 for sibling in [seq, *self._fork(seq)]:
                     self._sample(sibling, logits[0, -1])
                 self._keep_pages(seq, seq.prompt_ids)  # after the first token: not in its TTFT
-            if used >= budget:
-                break
         return used
+
+    def _first_page(self, seq: SequenceState) -> bytes | None:
+        """The prefix cache's address of a prompt's first page, when the prompt could reuse it
+        (a prefix cache, not looked up yet, a whole page before its last token)."""
+        cache = self.prefix_cache
+        if cache is None or seq.prefix_looked_up or len(seq.prompt_ids) <= cache.page_tokens:
+            return None
+        return cache.addresses(seq.prompt_ids[:cache.page_tokens])[0]
+
+    def _prefill_forwards(self, planned: list[tuple[SequenceState, int, int]]) -> list[torch.Tensor | None]:
+        """The logits of each planned chunk (``prompt_ids[start:end]`` of its sequence): (1, T,
+        vocab) when its prompt's log-probabilities are asked, else (1, 1, vocab); None where the
+        forward failed (the sequence then ended with the error). Chunks of sequences on the placed
+        runner that want only their last logits go in one forward when the runner can take them."""
+        together = [i for i, (seq, start, end) in enumerate(planned)
+                    if seq.runner is self.runtime.runner and seq.params.prompt_logprobs is None
+                    and not self._crosses_rope_switch(seq, end - start)]
+        results: list[torch.Tensor | None] = [None] * len(planned)
+        if len(together) > 1:
+            chunks = [(planned[i][0].prompt_ids[planned[i][1]:planned[i][2]], planned[i][0].cache) for i in together]
+            try:
+                logits = self._run_chunks(chunks, [planned[i][0] for i in together])
+            except Exception:  # a budget or any other error: undo what it appended, run each chunk alone
+                logger.debug("prefill of %d chunks together failed; running them one by one", len(chunks), exc_info=True)
+                logits = None
+                for i in together:
+                    planned[i][0].cache.truncate(planned[i][1])
+            if logits is not None:
+                for i, row in zip(together, logits):
+                    results[i] = row.cpu()
+                    self._relieve(planned[i][0])
+        for i, (seq, start, end) in enumerate(planned):
+            if results[i] is not None:
+                continue
+            try:
+                results[i] = self._forward(seq, seq.prompt_ids[start:end],
+                                           all_logits=seq.params.prompt_logprobs is not None)
+            except Exception as exc:
+                self._fail(seq, exc, "prefill failed")
+        return results
+
+    def _run_chunks(self, chunks: list[tuple[list[int], Any]], rows: list[SequenceState]) -> list[torch.Tensor] | None:
+        """``runner.prefill_chunks(chunks)``; its hidden-state hops are shared by the sequences."""
+        runner = self.runtime.runner
+        hops_before = runner.hop_bytes
+        logits = runner.prefill_chunks(chunks)
+        moved = runner.hop_bytes - hops_before
+        self._hop_bytes += moved
+        for seq in rows:
+            seq.hop_bytes += moved // len(rows)
+        return logits
 
     def _reuse_prefix(self, seq: SequenceState) -> None:
         """Before a sequence's first prefill chunk, copy the cached pages of its prompt's prefix

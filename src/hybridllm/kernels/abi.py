@@ -96,7 +96,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
                                         ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
     library.hl_decode_model.restype = None
     library.hl_prefill_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr,
-                                         ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i64, i32]
+                                         ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32, i32]
     library.hl_prefill_model.restype = None
     library.hl_set_spin_wait.argtypes = [i32]
     library.hl_set_spin_wait.restype = None

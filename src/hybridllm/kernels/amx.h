@@ -41,6 +41,8 @@ inline bool amx_usable() { return amx_enabled.load(std::memory_order_relaxed) &&
 #define CODES 6          // head: 16 weight rows x 32 int8 codes (the A operand)
 #define DOTS_HIGH_ODD 5  // Q4: the dots of odd groups (two pairs: a group's multiplies overlap the previous one's float steps)
 #define DOTS_LOW_ODD 6
+#define Q8_DOTS_HIGH_ODD 2  // head: the dots of odd groups
+#define Q8_DOTS_LOW_ODD 3
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -64,7 +66,7 @@ inline void configure_q4_tiles() {
 
 inline void configure_q8_tiles() {
   static const TileConfig config = TileConfig()
-      .shape({DOTS_HIGH, DOTS_LOW}, 16, 64)
+      .shape({DOTS_HIGH, DOTS_LOW, Q8_DOTS_HIGH_ODD, Q8_DOTS_LOW_ODD}, 16, 64)
       .shape({CODES}, 16, GROUP)
       .shape({QUADS, QUADS_LOW}, GROUP / 4, 64);
   _tile_loadconfig(&config);
@@ -158,33 +160,57 @@ void q4_rows_amx(const uint8_t* blocks, const ActivationRows& acts, int64_t grou
 // head) for every input row, as q8_groups_range computes them: per group, the integer dots of 16
 // weight rows (the table's rows as they are) against 16 input rows (acts.columns()), then
 // acc = fma(float(D), scale[g, n] * dot_scales[m][g], acc) over the groups in order.
+// One group's float steps (q8_groups_range's) for 16 weight rows: `dots` the high and low digits'
+// tiles (rows: weight rows, lanes: the tile's input rows), `row_scales` the rows' scales.
+__attribute__((always_inline)) inline void q8_tile_float_steps(__m512 (&acc)[16], const int32_t (*dots)[16 * TILE_M],
+                                                               const float* row_scales, const float* x_scales_p,
+                                                               bool first) {
+  const __m512 x_scales = _mm512_loadu_ps(x_scales_p);
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) {
+    const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dots[0] + TILE_M * r), 7),
+                                       _mm512_load_si512(dots[1] + TILE_M * r));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(row_scales[r]), x_scales),
+                             first ? _mm512_setzero_ps() : acc[r]);
+  }
+}
+
 void q8_groups_range_amx(const int8_t* w, const float* scales, const ActivationRows& acts, int64_t n0, int64_t n1,
                          int64_t n_rows, int64_t groups, float* out, int64_t n_out) {
   configure_q8_tiles();
-  alignas(64) int32_t dots[2][16 * TILE_M];
+  alignas(64) int32_t dots[2][2][16 * TILE_M];  // [group parity][digit]
   alignas(64) float results[16][TILE_M];
   for (int64_t n = n0; n < n1; n += 16) {
     for (int64_t block = 0; block * TILE_M < acts.rows(); ++block) {
       __m512 acc[16];  // acc[r]: weight row n + r, one lane per input row of the block
-      for (int64_t g = 0; g < groups; ++g) {
-        _tile_loadd(CODES, w + (g * n_rows + n) * GROUP, GROUP);
-        _tile_loadd(QUADS, acts.columns(block, g, 0), 64);
-        _tile_loadd(QUADS_LOW, acts.columns(block, g, 1), 64);
-        _tile_zero(DOTS_HIGH);
-        _tile_zero(DOTS_LOW);
-        _tile_dpbssd(DOTS_HIGH, CODES, QUADS);
-        _tile_dpbssd(DOTS_LOW, CODES, QUADS_LOW);
-        _tile_stored(DOTS_HIGH, dots[0], 64);
-        _tile_stored(DOTS_LOW, dots[1], 64);
-        const __m512 x_scales = _mm512_loadu_ps(acts.tile_scales(block, g));
-        const float* row_scales = scales + g * n_rows + n;
-        for (int r = 0; r < 16; ++r) {
-          const __m512i d = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dots[0] + TILE_M * r), 7),
-                                             _mm512_load_si512(dots[1] + TILE_M * r));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(row_scales[r]), x_scales),
-                                   g == 0 ? _mm512_setzero_ps() : acc[r]);
-        }
+#define Q8_GROUP_MULTIPLY(HIGH, LOW, g)                                    \
+  do {                                                                    \
+    _tile_loadd(CODES, w + ((g) * n_rows + n) * GROUP, GROUP);            \
+    _tile_loadd(QUADS, acts.columns(block, g, 0), 64);                    \
+    _tile_loadd(QUADS_LOW, acts.columns(block, g, 1), 64);                \
+    _tile_zero(HIGH);                                                     \
+    _tile_zero(LOW);                                                      \
+    _tile_dpbssd(HIGH, CODES, QUADS);                                     \
+    _tile_dpbssd(LOW, CODES, QUADS_LOW);                                  \
+  } while (0)
+#define Q8_GROUP_STORE(HIGH, LOW, parity)        \
+  do {                                          \
+    _tile_stored(HIGH, dots[parity][0], 64);    \
+    _tile_stored(LOW, dots[parity][1], 64);     \
+  } while (0)
+      Q8_GROUP_MULTIPLY(DOTS_HIGH, DOTS_LOW, 0);
+      Q8_GROUP_STORE(DOTS_HIGH, DOTS_LOW, 0);
+      for (int64_t g = 0; g < groups; g += 2) {  // even groups in the first pair of tiles, odd ones in the second
+        if (g + 1 < groups) Q8_GROUP_MULTIPLY(Q8_DOTS_HIGH_ODD, Q8_DOTS_LOW_ODD, g + 1);
+        q8_tile_float_steps(acc, dots[0], scales + g * n_rows + n, acts.tile_scales(block, g), g == 0);
+        if (g + 1 < groups) Q8_GROUP_STORE(Q8_DOTS_HIGH_ODD, Q8_DOTS_LOW_ODD, 1);
+        if (g + 2 < groups) Q8_GROUP_MULTIPLY(DOTS_HIGH, DOTS_LOW, g + 2);
+        if (g + 1 < groups)
+          q8_tile_float_steps(acc, dots[1], scales + (g + 1) * n_rows + n, acts.tile_scales(block, g + 1), false);
+        if (g + 2 < groups) Q8_GROUP_STORE(DOTS_HIGH, DOTS_LOW, 0);
       }
+#undef Q8_GROUP_MULTIPLY
+#undef Q8_GROUP_STORE
       for (int r = 0; r < 16; ++r) _mm512_store_ps(results[r], acc[r]);
       for (int64_t m = 0; m < TILE_M && block * TILE_M + m < acts.rows(); ++m)
         for (int r = 0; r < 16; ++r) out[(block * TILE_M + m) * n_out + n + r] = results[r][m];
@@ -200,6 +226,8 @@ void q8_groups_range_amx(const int8_t* w, const float* scales, const ActivationR
 #undef CODES
 #undef DOTS_HIGH_ODD
 #undef DOTS_LOW_ODD
+#undef Q8_DOTS_HIGH_ODD
+#undef Q8_DOTS_LOW_ODD
 #else
 inline bool amx_usable() { return false; }
 #endif

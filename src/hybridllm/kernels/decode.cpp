@@ -939,33 +939,71 @@ struct AttentionSplit {
 
 #include "prefill_attention.h"
 
-// Scratch shared by a team for one step of `rows` tokens (allocated once per call, outside the team).
+// Scratch shared by a team for one step of `rows` tokens. The entry points keep one (the pool's
+// lock: one team at a time) and size it under the lock (thread 0, then a barrier); its buffers
+// only grow, so steps do not page-fault fresh memory.
 struct Workspace {
   std::vector<float> normed, qkv, attn, proj, gate_up, mlp, h, part_out, part_max, part_sum;
   std::vector<int64_t> item_offsets;  // (rows + 1,): where each row's attention items start
-  bool prefill;                       // the rows are one sequence's consecutive positions
-  prefill::Inputs inputs;             // prefill products: the input rows as the panels read them
-  ActivationRows acts;                // the decode products' input rows, prepared by the team
-  Workspace(const HLDecoderLayer& w, int64_t rows, bool prefill_rows = false) : prefill(prefill_rows) {
+  // Prefill: the rows are segments of consecutive positions, segment s rows offsets[s] ..
+  // offsets[s + 1] - 1 of one sequence (prefill chunks of several sequences); else one token per row.
+  bool prefill = false;
+  int64_t segments = 0;
+  const int64_t* offsets = nullptr;
+  std::vector<int64_t> row_segment;  // (rows,): each prefill row's segment
+  prefill::Inputs inputs;  // prefill products: the input rows as the panels read them
+  ActivationRows acts;     // the decode products' input rows, prepared by the team
+
+  void resize(const HLDecoderLayer& w, int64_t rows) {
     const int64_t d = w.head_dim, q_size = w.n_heads * d, kv_size = w.n_kv_heads * d;
     const int64_t items = AttentionSplit::max_items(w.n_kv_heads);
     const int64_t group = w.n_heads / w.n_kv_heads;
-    normed.resize(rows * w.hidden);
-    qkv.resize(rows * (q_size + 2 * kv_size));
-    attn.resize(rows * q_size);
-    proj.resize(rows * w.hidden);
-    gate_up.resize(rows * 2 * w.intermediate);
-    mlp.resize(rows * w.intermediate);
-    h.resize(rows * w.hidden);
+    grow(normed, rows * w.hidden);
+    grow(qkv, rows * (q_size + 2 * kv_size));
+    grow(attn, rows * q_size);
+    grow(proj, rows * w.hidden);
+    grow(gate_up, rows * 2 * w.intermediate);
+    grow(mlp, rows * w.intermediate);
+    grow(h, rows * w.hidden);
     if (!prefill) {  // the one-row attention's partial results
-      part_out.resize(rows * items * group * d);
-      part_max.resize(rows * items * group);
-      part_sum.resize(rows * items * group);
+      grow(part_out, rows * items * group * d);
+      grow(part_max, rows * items * group);
+      grow(part_sum, rows * items * group);
     }
-    item_offsets.resize(rows + 1);
+    grow(item_offsets, rows + 1);
     if (prefill) inputs.reserve(rows, std::max({w.hidden, w.intermediate, q_size}));
   }
+
+  // One token per row (decode rows, each with its own cache).
+  void for_tokens(const HLDecoderLayer& w, int64_t rows) {
+    prefill = false;
+    resize(w, rows);
+  }
+
+  // Prefill segments (see above).
+  void for_segments(const HLDecoderLayer& w, int64_t n_segments, const int64_t* segment_offsets) {
+    prefill = true;
+    segments = n_segments;
+    offsets = segment_offsets;
+    const int64_t rows = segment_offsets[n_segments];
+    resize(w, rows);
+    grow(row_segment, rows);
+    for (int64_t s = 0; s < n_segments; ++s)
+      std::fill(row_segment.begin() + segment_offsets[s], row_segment.begin() + segment_offsets[s + 1], s);
+  }
+
+ private:
+  template <typename T>
+  static void grow(std::vector<T>& buffer, int64_t n) {
+    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  }
 };
+
+// The workspace of the entry points (used under the pool's lock only).
+Workspace& shared_workspace() {
+  static Workspace ws;
+  return ws;
+}
 
 // Whether a prefill chunk's product runs through dequantized panels (prefill_gemm.h) rather than
 // the decode products: from prefill::panel_min_rows rows on, except for Q4 and Q8-group weights
@@ -1082,10 +1120,10 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
 // x_in, x_out: (rows, hidden), x_in may alias x_out; cos/sin: (rows, D) rotary tables of each
 // row's position. Each weight matrix is read once for all rows; each row's arithmetic is the
 // same whatever the other rows and the team size.
-// With ws.prefill the rows are one sequence's consecutive positions (a prefill chunk: caches
-// holds one entry, the layer's cache with start = the first row's position): the products go
-// through dequantized panels and the attention is the chunk's causal, query-tiled kernel
-// (prefill_attention.h).
+// With ws.prefill the rows are segments of consecutive positions (prefill chunks of one or more
+// sequences: caches holds one entry per segment, the layer's cache of its sequence with start =
+// the segment's first position): the products may go through dequantized panels, and the
+// attention is the chunks' causal, query-tiled kernel (prefill_attention.h).
 void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x_in, float* x_out,
                        const HLLayerCache* caches, int64_t rows, const float* cos, const float* sin, Workspace& ws,
                        std::vector<float>& scores) {
@@ -1101,8 +1139,9 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
   PHASE_END(team, QKV);
   for (int64_t r = mine.first; r < mine.last; ++r) {
     float* qkv = ws.qkv.data() + r * qkv_size;
-    const HLLayerCache& c = ws.prefill ? caches[0] : caches[r];  // prefill: one cache, row r at start + r
-    const int64_t position = ws.prefill ? c.start + r : c.start;
+    const int64_t segment = ws.prefill ? ws.row_segment[r] : r;
+    const HLLayerCache& c = caches[segment];
+    const int64_t position = ws.prefill ? c.start + (r - ws.offsets[segment]) : c.start;
     for (int64_t head = 0; head < w.n_heads + w.n_kv_heads; ++head) rotate_half(qkv + head * d, cos + r * d, sin + r * d, d);
     for (int64_t kv_head = 0; kv_head < w.n_kv_heads; ++kv_head) {
       const int64_t row = (kv_head * c.capacity + position) * d;
@@ -1112,8 +1151,9 @@ void decode_layer_team(const Team& team, const HLDecoderLayer& w, const float* x
   }
   team.barrier();
   PHASE_END(team, ROPE_KV);
-  if (ws.prefill)  // rows: positions caches[0].start ..
-    prefill::attention_team(team, ws.qkv.data(), qkv_size, caches[0], rows, w.n_heads, w.n_kv_heads, d, ws.attn.data());
+  if (ws.prefill)
+    prefill::attention_team(team, ws.qkv.data(), qkv_size, caches, ws.offsets, ws.segments, w.n_heads, w.n_kv_heads,
+                            d, ws.attn.data());
   else
     attention_team(team, ws.qkv.data(), qkv_size, caches, rows, w.n_heads, w.n_kv_heads, w.head_dim, ws.attn.data(),
                    ws, scores);
@@ -1198,9 +1238,11 @@ void hl_attention(const float* q, const void* k_cache, const void* v_cache, int3
   shape.n_heads = n_heads;
   shape.n_kv_heads = n_kv_heads;
   shape.head_dim = head_dim;
-  Workspace ws(shape, 1);
   const HLLayerCache cache{const_cast<void*>(k_cache), const_cast<void*>(v_cache), capacity, total - 1, kv_dtype, 0};
+  Workspace& ws = shared_workspace();
   run_team(n_threads, [&](const Team& team) {
+    if (team.thread == 0) ws.for_tokens(shape, 1);
+    team.barrier();
     std::vector<float> scores;
     attention_team(team, q, 0, &cache, 1, n_heads, n_kv_heads, head_dim, out, ws, scores);
   });
@@ -1213,8 +1255,10 @@ void hl_prefill_attention(const float* q, const void* k_cache, const void* v_cac
                           int64_t start, int64_t rows, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                           int32_t window, float* out, int32_t n_threads) {
   const HLLayerCache cache{const_cast<void*>(k_cache), const_cast<void*>(v_cache), capacity, start, kv_dtype, window};
+  const int64_t offsets[2] = {0, rows};
   run_team(n_threads, [&](const Team& team) {
-    prefill::attention_team(team, q, int64_t{n_heads} * head_dim, cache, rows, n_heads, n_kv_heads, head_dim, out);
+    prefill::attention_team(team, q, int64_t{n_heads} * head_dim, &cache, offsets, 1, n_heads, n_kv_heads, head_dim,
+                            out);
   });
 }
 
@@ -1222,8 +1266,10 @@ void hl_prefill_attention(const float* q, const void* k_cache, const void* v_cac
 // (rows,), the layer's cache of each row.
 void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_out, const HLLayerCache* caches,
                      int64_t rows, const float* cos, const float* sin, int32_t n_threads) {
-  Workspace ws(*layer, rows);
+  Workspace& ws = shared_workspace();
   run_team(n_threads, [&](const Team& team) {
+    if (team.thread == 0) ws.for_tokens(*layer, rows);
+    team.barrier();
     std::vector<float> scores;
     decode_layer_team(team, *layer, x_in, x_out, caches, rows, cos, sin, ws, scores);
   });
@@ -1235,9 +1281,11 @@ void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_ou
 void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, int64_t rows,
                      float* x, const float* cos, const float* sin, const float* final_norm, float eps,
                      const HLLinear* head, float* logits, int32_t n_threads) {
-  Workspace ws(layers[0], rows);  // every layer of a model has the same shapes
+  Workspace& ws = shared_workspace();
   const int64_t hidden = layers[0].hidden;
   run_team(n_threads, [&](const Team& team) {
+    if (team.thread == 0) ws.for_tokens(layers[0], rows);  // every layer of a model has the same shapes
+    team.barrier();
     std::vector<float> scores;
     for (int64_t i = 0; i < n_layers; ++i)
       decode_layer_team(team, layers[i], x, x, caches + i * rows, rows, cos, sin, ws, scores);
@@ -1251,23 +1299,29 @@ void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, i
   });
 }
 
-// A prefill chunk of one sequence after the embedding: `rows` consecutive positions through
-// every layer in one team, then the final norm and the head for the last `logit_rows` rows.
-// caches: (n_layers,), each layer's cache with start = the chunk's first position (its rows
-// start .. start + rows - 1 are written); x (rows, hidden) is overwritten; cos/sin (rows, D);
-// logits (logit_rows, N).
-void hl_prefill_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, int64_t rows,
-                      float* x, const float* cos, const float* sin, const float* final_norm, float eps,
-                      const HLLinear* head, float* logits, int64_t logit_rows, int32_t n_threads) {
-  Workspace ws(layers[0], rows, true);
-  const int64_t hidden = layers[0].hidden, first = rows - logit_rows;
+// Prefill chunks of one or more sequences after the embedding, in one team: segment s is rows
+// offsets[s] .. offsets[s + 1] - 1 of x, consecutive positions of one sequence; every layer in
+// order, then the final norm and the head for every row (all_logits) or for each segment's last
+// row. caches: (n_layers, segments), layer-major, each the layer's cache of the segment's sequence
+// with start = the segment's first position (its rows are written); x (rows, hidden) is
+// overwritten; cos/sin (rows, D) of each row's position; logits (rows or segments, N).
+void hl_prefill_model(const HLDecoderLayer* layers, const HLLayerCache* caches, int64_t n_layers, int64_t segments,
+                      const int64_t* offsets, float* x, const float* cos, const float* sin, const float* final_norm,
+                      float eps, const HLLinear* head, float* logits, int32_t all_logits, int32_t n_threads) {
+  Workspace& ws = shared_workspace();
+  const int64_t hidden = layers[0].hidden, rows = offsets[segments];
+  const int64_t logit_rows = all_logits ? rows : segments;
   run_team(n_threads, [&](const Team& team) {
+    if (team.thread == 0) ws.for_segments(layers[0], segments, offsets);
+    team.barrier();
     std::vector<float> scores;
     for (int64_t i = 0; i < n_layers; ++i)
-      decode_layer_team(team, layers[i], x, x, caches + i, rows, cos, sin, ws, scores);
+      decode_layer_team(team, layers[i], x, x, caches + i * segments, rows, cos, sin, ws, scores);
     const Share mine(logit_rows, team);
-    for (int64_t r = mine.first; r < mine.last; ++r)
-      rms_norm(x + (first + r) * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);
+    for (int64_t r = mine.first; r < mine.last; ++r) {
+      const int64_t row = all_logits ? r : offsets[r + 1] - 1;
+      rms_norm(x + row * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);
+    }
     team.barrier();
     products_team(team, *head, ws.normed.data(), logits, logit_rows, ws);
   });

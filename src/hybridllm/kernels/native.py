@@ -49,6 +49,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -209,7 +210,31 @@ def row_caches(cache: KVCache | BatchedCaches) -> list[KVCache]:
 
 def rows_in_place(caches: list[KVCache], layer_indices: list[int], rows: int) -> bool:
     """Whether each of ``rows`` rows has its own cache with in-place slots for every layer given."""
-    return len(caches) == rows and all(c.supports_in_place(i) for c in caches for i in layer_indices)
+    return len(caches) == rows and all(c.supports_in_place_layers(layer_indices) for c in caches)
+
+
+# HLLayerCache's fields as numpy sees an array of them (filled a column at a time).
+_SLOT_FIELDS = np.dtype({"names": ["keys", "values", "capacity", "start", "kv_dtype", "window"],
+                         "formats": ["<u8", "<u8", "<i8", "<i8", "<i4", "<i4"],
+                         "offsets": [HLLayerCache.keys.offset, HLLayerCache.values.offset,
+                                     HLLayerCache.capacity.offset, HLLayerCache.start.offset,
+                                     HLLayerCache.kv_dtype.offset, HLLayerCache.window.offset],
+                         "itemsize": _SLOT_BYTES})
+
+
+def claim_rows(caches: list[KVCache], layer_indices: list[int], lengths: list[int]) -> ctypes.Array:
+    """Claim ``lengths[i]`` rows of every layer given in ``caches[i]`` (this step's tokens of each
+    sequence), described as an (n_layers, len(caches)) layer-major array of HLLayerCache."""
+    claims = [cache.in_place_rows(layer_indices, n) for cache, n in zip(caches, lengths)]
+    slots = (HLLayerCache * (len(layer_indices) * len(caches)))()
+    view = np.frombuffer(slots, dtype=_SLOT_FIELDS).reshape(len(layer_indices), len(caches))  # (layers, caches)
+    view["keys"] = np.array([c.keys for c in claims], dtype=np.uint64).T
+    view["values"] = np.array([c.values for c in claims], dtype=np.uint64).T
+    view["capacity"] = np.array([c.capacity for c in claims], dtype=np.int64).T
+    view["window"] = np.array([c.window for c in claims], dtype=np.int32).T
+    view["start"] = np.array([c.start for c in claims], dtype=np.int64)[None, :]
+    view["kv_dtype"] = np.array([KV_DTYPES[c.kv_dtype] for c in claims], dtype=np.int32)[None, :]
+    return slots
 
 
 def claim_slots(caches: list[KVCache], layer_idx: int, out: ctypes.Array, n_new: int = 1) -> None:
@@ -311,6 +336,7 @@ class NativeModel:
         self.library = library
         self.team = team if team is not None else DecodeTeam(library)
         self.layers = layers
+        self.layer_indices = [layer.layer_idx for layer in layers]
         self.structs = (HLDecoderLayer * len(layers))(*(layer.struct for layer in layers))
         self.head = head
         self.final_norm = final_norm
@@ -319,7 +345,7 @@ class NativeModel:
         """A decode step (one token per row) whose every row has its own in-place cache."""
         return (input_ids.dim() == 2 and input_ids.shape[1] == 1 and input_ids.device.type == "cpu"
                 and x.dtype == torch.float32
-                and rows_in_place(row_caches(cache), [layer.layer_idx for layer in self.layers], input_ids.shape[0]))
+                and rows_in_place(row_caches(cache), self.layer_indices, input_ids.shape[0]))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: KVCache | BatchedCaches) -> torch.Tensor:
@@ -328,10 +354,7 @@ class NativeModel:
         Each row has its own cache and position; each row's logits are bitwise the same alone
         or in any batch (the kernels are batch-invariant)."""
         rows, n_layers = x.shape[0], len(self.layers)
-        caches = row_caches(cache)
-        slots = (HLLayerCache * (n_layers * rows))()  # (n_layers, rows), layer-major
-        for i, layer in enumerate(self.layers):
-            claim_slots(caches, layer.layer_idx, (HLLayerCache * rows).from_buffer(slots, i * rows * _SLOT_BYTES))
+        slots = claim_rows(row_caches(cache), self.layer_indices, [1] * rows)  # (n_layers, rows), layer-major
         x = x.reshape(rows, -1).float().clone()  # (B, hidden), overwritten by the kernel
         logits = torch.empty(rows, 1, self.head.view.struct.out_features, dtype=torch.float32)  # (B, 1, vocab)
         cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
@@ -344,28 +367,44 @@ class NativeModel:
         """A prefill chunk (one sequence, several tokens) whose cache serves every layer in place."""
         return (input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] > 1
                 and input_ids.device.type == "cpu" and x.dtype == torch.float32
-                and rows_in_place(row_caches(cache), [layer.layer_idx for layer in self.layers], 1))
+                and rows_in_place(row_caches(cache), self.layer_indices, 1))
+
+    def applies_chunks(self, x: torch.Tensor, caches: list[KVCache]) -> bool:
+        """Prefill chunks of several sequences (their embeddings ``x`` packed) whose caches serve
+        every layer in place."""
+        return (x.device.type == "cpu" and x.dtype == torch.float32
+                and rows_in_place(caches, self.layer_indices, len(caches)))
 
     def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchedCaches,
                 all_logits: bool = False) -> torch.Tensor:
         """x: a chunk's embeddings (1, T, hidden) float32 -> logits (1, T or 1, vocab) float32.
 
         The chunk's T positions run every layer in one call (``hl_prefill_model``): products
-        through dequantized weight panels, causal query-tiled attention over the cache; each
-        layer's keys and values are written at their positions of the cache."""
-        rows, n_layers = x.shape[1], len(self.layers)
-        [cache] = row_caches(cache)
-        slots = (HLLayerCache * n_layers)()  # each layer's slot: rows start .. start + T - 1
-        for i, layer in enumerate(self.layers):
-            claim_slots([cache], layer.layer_idx, (HLLayerCache * 1).from_buffer(slots, i * _SLOT_BYTES), n_new=rows)
-        x = x.reshape(rows, -1).float().clone()  # (T, hidden), overwritten by the kernel
-        logit_rows = rows if all_logits else 1
-        logits = torch.empty(1, logit_rows, self.head.view.struct.out_features, dtype=torch.float32)  # (1, T|1, vocab)
+        through the decode kernels or dequantized weight panels, causal query-tiled attention over
+        the cache; each layer's keys and values are written at their positions of the cache."""
+        [single] = row_caches(cache)
+        logits = self.prefill_chunks(x.reshape(x.shape[1], -1), cos, sin, [single], [x.shape[1]], all_logits)
+        return logits[None]  # (1, T or 1, vocab)
+
+    def prefill_chunks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
+                       lengths: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Prefill chunks of several sequences in one call: x (rows, hidden) float32, the chunks'
+        embeddings packed (chunk i: ``lengths[i]`` rows, continuing ``caches[i]``), cos/sin (rows,
+        ..., D) of each row's position -> logits (rows, vocab) with ``all_logits``, else each
+        chunk's last row's (chunks, vocab). Each row's arithmetic depends on its own sequence
+        only (products row by row, attention within its chunk and cache)."""
+        n_layers, segments = len(self.layers), len(caches)
+        slots = claim_rows(caches, self.layer_indices, lengths)  # (n_layers, segments), layer-major
+        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)  # (segments + 1,)
+        rows = int(offsets[-1])
+        x = x.reshape(rows, -1).float().clone()  # (rows, hidden), overwritten by the kernel
+        logits = torch.empty(rows if all_logits else segments, self.head.view.struct.out_features,
+                             dtype=torch.float32)
         cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
-        self.library.hl_prefill_model(self.structs, slots, n_layers, rows, x.data_ptr(), cos.data_ptr(),
-                                      sin.data_ptr(), self.final_norm.weight.data_ptr(), self.final_norm.eps,
-                                      ctypes.byref(self.head.view.struct), logits.data_ptr(), logit_rows,
-                                      self.team.threads())
+        self.library.hl_prefill_model(self.structs, slots, n_layers, segments, offsets.data_ptr(), x.data_ptr(),
+                                      cos.data_ptr(), sin.data_ptr(), self.final_norm.weight.data_ptr(),
+                                      self.final_norm.eps, ctypes.byref(self.head.view.struct), logits.data_ptr(),
+                                      int(all_logits), self.team.threads())
         return logits
 
 

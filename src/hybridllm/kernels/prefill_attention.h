@@ -1,5 +1,6 @@
-// Causal attention of a prefill chunk: T consecutive positions of one sequence over its cache
-// (the keys before the chunk and the chunk's own, already written), flash-attention style.
+// Causal attention of prefill chunks: T consecutive positions of a sequence over its cache (the
+// keys before the chunk and the chunk's own, already written), flash-attention style; the chunks
+// of several sequences at once (segments).
 //
 // Included by decode.cpp (one translation unit): uses its HLLayerCache, vectors, exp_clamped,
 // to_float (float32 or float16 KV read as stored), Team.
@@ -269,20 +270,32 @@ void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache,
     }
 }
 
-// Attention of the chunk's `rows` positions (q rows at q with stride q_stride) over `cache`
-// (start = the chunk's first position) -> out (rows, H, D), by the team.
-void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache& cache, int64_t rows,
-                    int n_heads, int n_kv_heads, int64_t head_dim, float* out) {
+// Attention of prefill chunks of several sequences by the team: segment s is rows offsets[s] ..
+// offsets[s + 1] - 1 of q (stride q_stride), consecutive positions of the sequence whose layer
+// cache is caches[s] (start = the segment's first position) -> out (rows, H, D). Work items
+// (segment, block of query rows, KV head) go to the threads round-robin; a row's result depends
+// on its segment's positions only.
+void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
+                    const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t head_dim,
+                    float* out) {
   thread_local AttentionScratch scratch;
   const int group = n_heads / n_kv_heads;
-  const int64_t blocks = (rows + QUERY_ROWS - 1) / QUERY_ROWS, items = blocks * n_kv_heads;
-  for (int64_t item = team.thread; item < items; item += team.size) {
-    const int64_t block = item / n_kv_heads, kv_head = item % n_kv_heads;
-    const int64_t r0 = block * QUERY_ROWS, r1 = std::min(rows, r0 + QUERY_ROWS);
-    if (cache.kv_dtype == KV_F16)
-      attention_item<uint16_t>(q, q_stride, cache, r0, r1, kv_head, group, head_dim, out, n_heads, scratch);
-    else
-      attention_item<float>(q, q_stride, cache, r0, r1, kv_head, group, head_dim, out, n_heads, scratch);
+  int64_t first_item = 0;  // of segment s
+  int64_t item = team.thread;
+  for (int64_t s = 0; s < segments; ++s) {
+    const int64_t rows = offsets[s + 1] - offsets[s];
+    const int64_t items = (rows + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
+    const float* q_s = q + offsets[s] * q_stride;
+    float* out_s = out + offsets[s] * n_heads * head_dim;
+    for (; item < first_item + items; item += team.size) {
+      const int64_t block = (item - first_item) / n_kv_heads, kv_head = (item - first_item) % n_kv_heads;
+      const int64_t r0 = block * QUERY_ROWS, r1 = std::min(rows, r0 + QUERY_ROWS);
+      if (caches[s].kv_dtype == KV_F16)
+        attention_item<uint16_t>(q_s, q_stride, caches[s], r0, r1, kv_head, group, head_dim, out_s, n_heads, scratch);
+      else
+        attention_item<float>(q_s, q_stride, caches[s], r0, r1, kv_head, group, head_dim, out_s, n_heads, scratch);
+    }
+    first_item += items;
   }
   team.barrier();
 }

@@ -9,6 +9,7 @@ the ledger crosses a threshold, never by catching out-of-memory errors.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -139,6 +140,26 @@ class InPlaceSlot:
     window: int | None = None
 
 
+@dataclass
+class InPlaceRows:
+    """:meth:`KVCache.in_place_rows`: every layer's in-place slot of one claim as addresses and
+    sizes, what a kernel that runs every layer in one call takes."""
+
+    start: int  # the first row to write, the same in every layer
+    keys: list[int]  # per layer: the address of its key buffer (B, Hkv, capacity, D)
+    values: list[int]  # ... of its value buffer
+    capacity: list[int]  # per layer: the buffers' rows
+    window: list[int]  # per layer: its sliding window (0: none)
+    kv_dtype: torch.dtype  # what every buffer holds
+
+    @classmethod
+    def of(cls, slots: list[InPlaceSlot]) -> InPlaceRows:
+        if len({slot.start for slot in slots}) != 1 or len({slot.keys.dtype for slot in slots}) != 1:
+            raise ValueError("in-place rows need every layer at the same length and in one dtype")
+        return cls(slots[0].start, [s.keys.data_ptr() for s in slots], [s.values.data_ptr() for s in slots],
+                   [s.keys.shape[2] for s in slots], [s.window or 0 for s in slots], slots[0].keys.dtype)
+
+
 class KVCache(ABC):
     """Stores keys/values of every layer and computes causal attention over them.
 
@@ -212,6 +233,15 @@ class KVCache(ABC):
         and values at rows ``start ..`` of the returned buffers and attends over rows ``0 ..
         start + n_new - 1`` itself (the native decode step). Only where :meth:`supports_in_place`."""
         raise NotImplementedError(f"{type(self).__name__} has no in-place slots")
+
+    def supports_in_place_layers(self, layer_indices: Sequence[int]) -> bool:
+        """Whether :meth:`in_place_rows` serves all these layers."""
+        return all(self.supports_in_place(i) for i in layer_indices)
+
+    def in_place_rows(self, layer_indices: Sequence[int], n_new: int) -> InPlaceRows:
+        """:meth:`in_place_slot` of every layer given, in one call (the layers must be at the same
+        length): a whole-model kernel step claims its rows in all of them at once."""
+        return InPlaceRows.of([self.in_place_slot(i, n_new) for i in layer_indices])
 
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors that hold the KV, per tier: the ledger's counts must equal their bytes."""

@@ -55,6 +55,7 @@ class LedgeredBuffer:
         self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
         self.capacity = 0  # tokens
         self.tensors: dict[str, torch.Tensor] = {}
+        self.version = 0  # counts reallocations (a holder of the tensors' addresses checks it)
         self._bytes_per_granule = sum(
             math.prod(lead) * (granule // f.tokens_per_row) * math.prod(f.tail) * _element_size(f.dtype)
             for f in fields.values()
@@ -90,6 +91,7 @@ class LedgeredBuffer:
             for name, f in self.fields.items()
         } if capacity else {}
         self.ledger.allocate(self.tier, tensor_bytes(*new.values()))
+        self.version += 1
         if keep:
             for name, f in self.fields.items():
                 rows = keep // f.tokens_per_row

@@ -13,13 +13,15 @@ logical; the figures are the ones a real device would show).
 
 Prefill chunks (T > 1) go to the backend's whole-chunk call where it has one that applies (the
 native backend), else through the model's own layer code; decode steps (T == 1) go through the
-backend: a whole-token call where it has one that applies, else layer by layer.
+backend: a whole-token call where it has one that applies, else layer by layer. Chunks of several
+sequences can go together (:meth:`ModelRunner.prefill_chunks`) where the backend takes them in one call.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -137,6 +139,29 @@ class ModelRunner:
         return backend.head(x)
 
     __call__ = forward
+
+    def prefill_chunks(self, chunks: Sequence[tuple[Sequence[int], KVCache]]) -> list[torch.Tensor] | None:
+        """Prefill chunks of several sequences in one forward, where the backend can (the native
+        backend, every cache writable in place): ``chunks`` are (token ids, cache) pairs, the ids
+        continuing each cache at its length. Returns each chunk's last-position logits (1, 1,
+        vocab) float32, or None, with nothing run (then forward each chunk alone). Each chunk's
+        logits and KV are its forward's alone, up to the products' summation order."""
+        if self.model.rope_switch_length is not None:  # longrope picks its factors per sequence length
+            return None
+        model, backend = self.model, self.backend
+        lengths = [len(tokens) for tokens, _ in chunks]
+        caches = [cache for _, cache in chunks]
+        ids = torch.tensor([[t for tokens, _ in chunks for t in tokens]], dtype=torch.long)  # (1, rows)
+        positions = torch.cat([torch.arange(cache.seq_length, cache.seq_length + n) for n, cache in zip(lengths, caches)])
+        with backend.glue():
+            x = model.embed(ids)  # (1, rows, hidden)
+            cos, sin = model.rotary_tables(positions, 1, x.dtype, x.device)  # (rows, 1, 1, D): each row's position
+        logits = backend.chunks_step(x, cos, sin, caches, lengths)  # (chunks, vocab)
+        if logits is None:
+            return None
+        position_bytes = x.shape[-1] * x.element_size()
+        self.hop_bytes += position_bytes * (self._body_changes * ids.shape[1] + self._head_changes * len(chunks))
+        return [logits[i][None, None] for i in range(len(chunks))]
 
     def _hop(self, x: torch.Tensor, device: torch.device, crosses_tiers: bool) -> torch.Tensor:
         """``x`` on ``device``; its bytes count as moved when it changes device or tier."""

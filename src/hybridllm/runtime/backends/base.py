@@ -68,6 +68,14 @@ class DecodeBackend(Protocol):
         (1, T, hidden); ``all_logits``: every position's logits, else the last one's."""
         ...
 
+    def chunks_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
+                    lengths: list[int]) -> torch.Tensor | None:
+        """Last-position logits (chunks, vocab) of prefill chunks of several sequences in one
+        call, or None (no such step, or it does not apply): the runner then runs each chunk
+        alone. ``x``: the chunks' embeddings packed (1, rows, hidden), chunk i ``lengths[i]`` rows
+        continuing ``caches[i]``; ``cos``/``sin``: each row's rotary table (rows, 1, 1, D)."""
+        ...
+
     def glue(self) -> AbstractContextManager:
         """The scope of the PyTorch ops around a step (embedding lookup, rotary tables): the
         native backend runs them on one thread, so that PyTorch's OpenMP workers, which spin

@@ -30,6 +30,10 @@ class EagerBackend:
                      cache: KVCache, all_logits: bool) -> torch.Tensor | None:
         return None
 
+    def chunks_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
+                    lengths: list[int]) -> torch.Tensor | None:
+        return None
+
     def glue(self) -> AbstractContextManager:
         return nullcontext()
 

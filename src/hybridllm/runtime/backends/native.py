@@ -55,6 +55,13 @@ class NativeBackend(EagerBackend):
             return None
         return whole.prefill(x, cos, sin, cache, all_logits)
 
+    def chunks_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
+                    lengths: list[int]) -> torch.Tensor | None:
+        whole = self.steps.whole
+        if whole is None or not whole.applies_chunks(x, caches):
+            return None
+        return whole.prefill_chunks(x.reshape(-1, x.shape[-1]), cos, sin, caches, lengths)
+
     @contextmanager
     def glue(self) -> Iterator[None]:
         threads = torch.get_num_threads()
