@@ -12,6 +12,7 @@ from hybridllm.engine.sampling import (
     Sampler,
     apply_presence_frequency_penalty,
     apply_repetition_penalty,
+    greedy_token,
     min_p_filter,
     top_k_filter,
     top_p_filter,
@@ -22,6 +23,15 @@ from hybridllm.errors import ConfigError
 def test_greedy_picks_argmax():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
     assert Sampler(SamplingParams(temperature=0))(logits) == 1
+
+
+def test_greedy_token_breaks_ties_and_nans_as_torch_argmax():
+    rows = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0))
+    rows[1, 5] = rows[1, 70] = 100.0  # a tie: the first index
+    rows[2, 9] = float("nan")  # NaN counts as the largest, as in torch.argmax
+    strided = torch.randn(49152, 2)[:, 1]  # a view with a stride (a row of a (B, vocab) batch is one too)
+    for row in [*rows, strided]:
+        assert greedy_token(row) == int(torch.argmax(row))
 
 
 def test_top_k_keeps_k_largest():

