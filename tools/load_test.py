@@ -4,6 +4,7 @@
     .venv/bin/python tools/load_test.py --max-batch 16          # starts its own server, then stops it
     .venv/bin/python tools/load_test.py --max-batch 1           # the same load without batching
     .venv/bin/python tools/load_test.py --url http://127.0.0.1:8000 --model NAME   # an already running server
+    .venv/bin/python tools/load_test.py --compare 3 --concurrency 64   # batched vs one at a time, 3 rounds each
 
 Defaults: 64 requests, 16 in flight at once, 32 new tokens each (greedy, end-of-sequence
 ignored, so every request generates exactly that many), 16 different chat prompts in turn,
@@ -12,6 +13,11 @@ a total time limit (``--time-limit``), and loopback addresses only.
 
 Prints requests/s, generated tokens/s, TTFT and latency percentiles and the failure count;
 ``--json`` writes them. Exits 1 if any request failed.
+
+``--compare N`` runs the burst N times each way, alternating, each on a fresh server: all
+``--concurrency`` requests in flight at once (``--max-batch`` = the concurrency), and one at a
+time (``--concurrency 1 --max-batch 1``); it prints every round and the ratio of the median
+throughputs (alternating keeps a machine whose speed drifts from favouring either side).
 """
 
 from __future__ import annotations
@@ -129,10 +135,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, max_batch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "hybridllm.cli", "serve", "--port", str(port), "--max-batch",
-               str(args.max_batch), "--max-queue", str(max(256, args.requests)), "--log-level", "warning",
+               str(max_batch), "--max-queue", str(max(256, args.requests)), "--log-level", "warning",
                *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
     print("starting:", " ".join(command[1:]), file=sys.stderr)
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ})
@@ -151,6 +157,56 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start within 300 s")
 
 
+def burst(args: argparse.Namespace, concurrency: int, max_batch: int) -> dict[str, Any]:
+    """One burst against ``args.url``, or against a server started (and stopped) for it."""
+    proc = None
+    if args.url:
+        url = args.url.rstrip("/")
+    else:
+        proc, url = start_server(args, max_batch)
+    try:
+        model = args.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        httpx.post(f"{url}/v1/chat/completions", timeout=300, json={  # warm-up, not measured
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    result["max_batch"] = max_batch if proc is not None else None
+    return result
+
+
+def print_result(result: dict[str, Any]) -> None:
+    print(f"requests:          {result['succeeded']}/{result['requests']} ok, {result['failed']} failed "
+          f"({result['concurrency']} concurrent, {result['max_tokens']} new tokens each)")
+    print(f"wall time:         {result['wall_s']:.1f} s (the client used {result['client_cpu_s']:.1f} s of CPU)")
+    print(f"throughput:        {result['requests_per_s']:.2f} requests/s, "
+          f"{result['generated_tokens_per_s']:.1f} generated tokens/s")
+    print(f"TTFT p50 / p99:    {result['ttft_p50_s']:.2f} / {result['ttft_p99_s']:.2f} s")
+    print(f"latency p50 / p99: {result['latency_p50_s']:.2f} / {result['latency_p99_s']:.2f} s")
+    for error in result["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """``--compare N``: batched and one-at-a-time bursts, alternating, and their throughput ratio."""
+    rounds: dict[str, list[dict[str, Any]]] = {"batched": [], "one_at_a_time": []}
+    for i in range(args.compare):
+        for name, concurrency, max_batch in (("batched", args.concurrency, args.concurrency),
+                                             ("one_at_a_time", 1, 1)):
+            result = burst(args, concurrency, max_batch)
+            rounds[name].append(result)
+            print(f"round {i + 1} {name:>14}: {result['wall_s']:6.2f} s, "
+                  f"{result['generated_tokens_per_s']:7.1f} generated tok/s, {result['failed']} failed", flush=True)
+    medians = {name: statistics.median(r["generated_tokens_per_s"] for r in runs) for name, runs in rounds.items()}
+    ratio = medians["batched"] / medians["one_at_a_time"]
+    failed = sum(r["failed"] for runs in rounds.values() for r in runs)
+    print(f"median generated tok/s: {medians['batched']:.1f} with {args.concurrency} in flight, "
+          f"{medians['one_at_a_time']:.1f} one at a time: {ratio:.2f}x; {failed} failed requests")
+    return {"rounds": rounds, "median_tokens_per_s": medians, "ratio": ratio, "failed": failed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server (loopback only); default: start one")
@@ -162,36 +218,21 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="--max-batch of the server this script starts")
     parser.add_argument("--threads", type=int, default=2, help="--threads of the server this script starts")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `hybridllm serve` argument")
+    parser.add_argument("--compare", type=int, default=0, metavar="N",
+                        help="N rounds of the burst with --concurrency in flight vs one at a time (fresh servers)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if not 1 <= args.requests <= MAX_REQUESTS or not 1 <= args.concurrency <= MAX_CONCURRENCY:
         parser.error(f"--requests must be in 1..{MAX_REQUESTS} and --concurrency in 1..{MAX_CONCURRENCY}")
-    proc = None
-    if args.url:
-        if urlparse(args.url).hostname not in LOOPBACK:
-            parser.error("--url must be a loopback address")
-        url = args.url.rstrip("/")
+    if args.url and urlparse(args.url).hostname not in LOOPBACK:
+        parser.error("--url must be a loopback address")
+    if args.compare and args.url:
+        parser.error("--compare starts its own servers (one per burst); drop --url")
+    if args.compare:
+        result = compare(args)
     else:
-        proc, url = start_server(args)
-    try:
-        model = args.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        httpx.post(f"{url}/v1/chat/completions", timeout=300, json={  # warm-up, not measured
-            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-        result = asyncio.run(run_load(url, model, args.requests, args.concurrency, args.max_tokens, args.time_limit))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-    result["max_batch"] = args.max_batch if proc is not None else None
-    print(f"requests:          {result['succeeded']}/{result['requests']} ok, {result['failed']} failed "
-          f"({result['concurrency']} concurrent, {result['max_tokens']} new tokens each)")
-    print(f"wall time:         {result['wall_s']:.1f} s (the client used {result['client_cpu_s']:.1f} s of CPU)")
-    print(f"throughput:        {result['requests_per_s']:.2f} requests/s, "
-          f"{result['generated_tokens_per_s']:.1f} generated tokens/s")
-    print(f"TTFT p50 / p99:    {result['ttft_p50_s']:.2f} / {result['ttft_p99_s']:.2f} s")
-    print(f"latency p50 / p99: {result['latency_p50_s']:.2f} / {result['latency_p99_s']:.2f} s")
-    for error in result["errors"]:
-        print(f"error: {error}", file=sys.stderr)
+        result = burst(args, args.concurrency, args.max_batch)
+        print_result(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     sys.exit(1 if result["failed"] else 0)

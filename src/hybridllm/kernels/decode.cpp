@@ -36,7 +36,7 @@
 #include <unistd.h>
 #endif
 
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX__) || defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -221,6 +221,15 @@ inline V load(const T* p) {
 // Zen 5, fewer horizontal sums per key).
 constexpr int LANES = 8;
 typedef float f32xL __attribute__((vector_size(LANES * 4)));
+
+// Vectors of the row-wise float loops that need no AVX2 fallback shape (the one-row attention,
+// SiLU): 16 floats on AVX-512, else LANES. Every lane does the same operations either way.
+#if defined(__AVX512F__)
+constexpr int WLANES = 16;
+#else
+constexpr int WLANES = LANES;
+#endif
+typedef float f32xW __attribute__((vector_size(WLANES * 4)));
 
 inline float sum16(f32x16 v) {
   f32x8 lo, hi;
@@ -591,21 +600,30 @@ struct WaitWord {
   }
 };
 
-// A reusable barrier for n threads (the last to arrive opens the next phase).
+// A reusable barrier for n threads (the last to arrive opens the next phase), and a work counter
+// per phase (two, alternating: the one of the next phase is reset by the last arrival).
 struct Barrier {
   alignas(64) std::atomic<int32_t> arrived{0};
   alignas(64) WaitWord phase;
+  alignas(64) std::atomic<int64_t> claimed[2] = {};
 
   void wait(int32_t n, int32_t spins) {
-    if (n == 1) return;
+    if (n == 1) {  // a team of one stays in its phase: its count starts over
+      claimed[phase.value.load(std::memory_order_relaxed) % 2].store(0, std::memory_order_relaxed);
+      return;
+    }
     const uint32_t current = phase.value.load(std::memory_order_acquire);
     if (arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
       arrived.store(0, std::memory_order_relaxed);
+      claimed[(current + 1) % 2].store(0, std::memory_order_relaxed);
       phase.publish(current + 1);
     } else {
       phase.wait_change(current, spins);
     }
   }
+
+  // The next unclaimed item of this phase (every thread of the team draws from the same count).
+  int64_t claim() { return claimed[phase.value.load(std::memory_order_acquire) % 2].fetch_add(1); }
 };
 
 struct Team {
@@ -614,6 +632,10 @@ struct Team {
   Barrier* sync;
   int32_t spins;
   void barrier() const { sync->wait(size, spins); }
+  // Items shared out as the threads come for them (a late or descheduled thread takes fewer):
+  // call until it returns >= the item count, then meet at a barrier. What an item computes must
+  // not depend on the thread that takes it.
+  int64_t claim() const { return sync->claim(); }
 };
 
 using TeamJob = void (*)(void* context, const Team& team);
@@ -701,13 +723,16 @@ struct Share {
   }
 };
 
+// The output rows of a product are shared out in items of this many (whole 16-row weight blocks).
+constexpr int64_t PRODUCT_ROWS = 128;
+
 // From this many input rows a team prepares them together (each thread a share, then a
 // barrier); fewer, each thread prepares them all itself (no barrier).
 constexpr int64_t SHARED_PREPARATION_ROWS = 64;
 
-// The output columns of x @ W.T (x: (rows, K) -> out: (rows, N)) split in contiguous ranges,
-// one per thread (multiples of 16: whole cache lines of out, and the same 4-, 8- and 16-row
-// weight blocks whatever the team size), then a barrier. The input rows are prepared (sums, int8
+// The output columns of x @ W.T (x: (rows, K) -> out: (rows, N)) in items of PRODUCT_ROWS
+// (whole cache lines of out, and the same 4-, 8- and 16-row weight blocks whatever the team
+// size), claimed by the threads as they come, then a barrier. The input rows are prepared (sums, int8
 // digits) by each thread itself, or with many rows and a `shared` buffer by the team together.
 // A row's result does not depend on the other rows or the team size.
 void linear_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows,
@@ -730,9 +755,9 @@ void linear_team(const Team& team, const HLLinear& w, const float* x, float* out
     own.prepare(x, rows, w.in_features, quantized_weights, quantize, tiles);
   }
   const int64_t n = w.out_features;
-  const int64_t per = ((n + team.size - 1) / team.size + 15) / 16 * 16;
-  const int64_t n0 = std::min<int64_t>(n, team.thread * per), n1 = std::min(n, n0 + per);
-  linear_rows(w, *acts, out, n0, n1);
+  const int64_t blocks = (n + PRODUCT_ROWS - 1) / PRODUCT_ROWS;
+  for (int64_t block = team.claim(); block < blocks; block = team.claim())
+    linear_rows(w, *acts, out, block * PRODUCT_ROWS, std::min(n, (block + 1) * PRODUCT_ROWS));
   team.barrier();
 }
 
@@ -741,9 +766,9 @@ void linear_team(const Team& team, const HLLinear& w, const float* x, float* out
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
 void silu_times(const float* __restrict gate, const float* __restrict up, float* __restrict out, int64_t n) {
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) {
-    const f32xL g = load<f32xL>(gate + i);
-    const f32xL v = g / (1.0f + exp_vector(-g)) * load<f32xL>(up + i);
+  for (; i + WLANES <= n; i += WLANES) {
+    const f32xW g = load<f32xW>(gate + i);
+    const f32xW v = g / (1.0f + exp_vector(-g)) * load<f32xW>(up + i);
     std::memcpy(out + i, &v, sizeof v);
   }
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
@@ -842,39 +867,96 @@ void store_row(void* buffer, int32_t kv_dtype, int64_t at, const float* row, int
   }
 }
 
-// scores[g * stride + t] = scale * q_g . key_t for the `group` queries sharing a KV head; each
-// key row is loaded once for all of them (GROUP_SIZE fixed so the accumulators stay in registers).
+inline f32xW load_wide(const float* p) { return load<f32xW>(p); }
+
+inline f32xW load_wide(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  f32xW v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+#else
+  return load_lanes(p);
+#endif
+}
+
+inline float sum_wide(f32xW v) {
+  float s[WLANES];
+  std::memcpy(s, &v, sizeof v);
+  for (int width = WLANES / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) s[i] += s[i + width];
+  return s[0];
+}
+
+// The horizontal sums of four vectors (out[j] of v[j]), in a fixed order: a transposing reduction.
+inline void sum4(const f32xW v[4], float out[4]) {
+#if defined(__AVX512F__)
+  __m512 a, b, c, d;
+  std::memcpy(&a, &v[0], 64), std::memcpy(&b, &v[1], 64), std::memcpy(&c, &v[2], 64), std::memcpy(&d, &v[3], 64);
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a b a b
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // per 128 bits: a b c d
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+  _mm_storeu_ps(out, _mm512_castps512_ps128(x));
+#elif defined(__AVX__)
+  __m256 a, b, c, d;
+  std::memcpy(&a, &v[0], 32), std::memcpy(&b, &v[1], 32), std::memcpy(&c, &v[2], 32), std::memcpy(&d, &v[3], 32);
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+  const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+#else
+  for (int j = 0; j < 4; ++j) out[j] = sum_wide(v[j]);
+#endif
+}
+
+// scores[g * stride + t] = scale * q_g . key_t for the `group` queries sharing a KV head (d a
+// multiple of WLANES): keys four at a time, each key vector loaded once for all the queries, the
+// four dots of a query reduced together.
 template <int GROUP_SIZE, typename T>
-void score_chunk_fixed(const float* q, const T* keys, const T* values, int64_t len, int64_t d, float scale,
-                       float* scores, int64_t stride) {
-  for (int64_t t = 0; t < len; ++t) {
-    const T* key = keys + t * d;
-    for (int64_t line = 0; line < d; line += 64 / static_cast<int64_t>(sizeof(T))) {  // rows 8 ahead; this row's values
-      __builtin_prefetch(key + 8 * d + line);
-      __builtin_prefetch(values + t * d + line);
+void score_chunk_fixed(const float* q, const T* keys, int64_t len, int64_t d, float scale, float* scores,
+                       int64_t stride) {
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    f32xW dots[GROUP_SIZE][4] = {};
+    for (int64_t i = 0; i < d; i += WLANES) {
+      f32xW k[4];
+      for (int j = 0; j < 4; ++j) k[j] = load_wide(keys + (t + j) * d + i);
+      for (int g = 0; g < GROUP_SIZE; ++g) {
+        const f32xW qv = load_wide(q + g * d + i);
+        for (int j = 0; j < 4; ++j) dots[g][j] += qv * k[j];
+      }
     }
-    f32xL dots[GROUP_SIZE] = {};
-    for (int64_t i = 0; i < d; i += LANES) {
-      const f32xL kv = load_lanes(key + i);
-      for (int g = 0; g < GROUP_SIZE; ++g) dots[g] += load<f32xL>(q + g * d + i) * kv;
+    for (int g = 0; g < GROUP_SIZE; ++g) {
+      float sums[4];
+      sum4(dots[g], sums);
+      for (int j = 0; j < 4; ++j) scores[g * stride + t + j] = sums[j] * scale;
     }
-    for (int g = 0; g < GROUP_SIZE; ++g) scores[g * stride + t] = sum_lanes(dots[g]) * scale;
+  }
+  for (; t < len; ++t) {
+    f32xW dots[GROUP_SIZE] = {};
+    for (int64_t i = 0; i < d; i += WLANES) {
+      const f32xW k = load_wide(keys + t * d + i);
+      for (int g = 0; g < GROUP_SIZE; ++g) dots[g] += load_wide(q + g * d + i) * k;
+    }
+    for (int g = 0; g < GROUP_SIZE; ++g) scores[g * stride + t] = sum_wide(dots[g]) * scale;
   }
 }
 
 template <typename T>
-void score_chunk(const float* q, const T* keys, const T* values, int64_t len, int group, int64_t d,
-                 float scale, float* scores, int64_t stride) {
-  if (d % LANES == 0) {
+void score_chunk(const float* q, const T* keys, int64_t len, int group, int64_t d, float scale, float* scores,
+                 int64_t stride) {
+  if (d % WLANES == 0) {
     switch (group) {
-      case 1: return score_chunk_fixed<1>(q, keys, values, len, d, scale, scores, stride);
-      case 2: return score_chunk_fixed<2>(q, keys, values, len, d, scale, scores, stride);
-      case 3: return score_chunk_fixed<3>(q, keys, values, len, d, scale, scores, stride);
-      case 4: return score_chunk_fixed<4>(q, keys, values, len, d, scale, scores, stride);
-      case 5: return score_chunk_fixed<5>(q, keys, values, len, d, scale, scores, stride);
-      case 6: return score_chunk_fixed<6>(q, keys, values, len, d, scale, scores, stride);
-      case 7: return score_chunk_fixed<7>(q, keys, values, len, d, scale, scores, stride);
-      case 8: return score_chunk_fixed<8>(q, keys, values, len, d, scale, scores, stride);
+      case 1: return score_chunk_fixed<1>(q, keys, len, d, scale, scores, stride);
+      case 2: return score_chunk_fixed<2>(q, keys, len, d, scale, scores, stride);
+      case 3: return score_chunk_fixed<3>(q, keys, len, d, scale, scores, stride);
+      case 4: return score_chunk_fixed<4>(q, keys, len, d, scale, scores, stride);
+      case 5: return score_chunk_fixed<5>(q, keys, len, d, scale, scores, stride);
+      case 6: return score_chunk_fixed<6>(q, keys, len, d, scale, scores, stride);
+      case 7: return score_chunk_fixed<7>(q, keys, len, d, scale, scores, stride);
+      case 8: return score_chunk_fixed<8>(q, keys, len, d, scale, scores, stride);
       default: break;
     }
   }
@@ -888,33 +970,63 @@ void score_chunk(const float* q, const T* keys, const T* values, int64_t len, in
   }
 }
 
-// acc[g * d ..] = sum_t scores[g * stride + t] * values[t] for each query g of a group: one
-// query at a time, its accumulators in registers (the chunk's value rows stay in L1/L2 between
-// the group's queries).
-template <int VECS, typename T>
-void accumulate_values_fixed(const T* values, int64_t len, int group, const float* scores, int64_t stride,
-                             float* acc) {
-  for (int g = 0; g < group; ++g) {
-    f32xL a[VECS] = {};
-    const float* p = scores + g * stride;
+// acc[g * d ..] = sum_t scores[g * stride + t] * values[t] for each query g of a group: each
+// value vector loaded once for all the group's queries while their accumulators fit in
+// registers, else one query at a time (the chunk's value rows stay in L1/L2 between them).
+template <int VECS, int GROUP_SIZE, typename T>
+void accumulate_values_fixed(const T* values, int64_t len, const float* scores, int64_t stride, float* acc) {
+  constexpr int64_t D = WLANES * VECS;
+  if constexpr (GROUP_SIZE * VECS <= 24) {
+    f32xW a[GROUP_SIZE][VECS] = {};
     for (int64_t t = 0; t < len; ++t) {
-      const T* value = values + t * LANES * VECS;
-      for (int i = 0; i < VECS; ++i) a[i] += load_lanes(value + LANES * i) * p[t];
+      for (int i = 0; i < VECS; ++i) {
+        const f32xW v = load_wide(values + t * D + WLANES * i);
+        for (int g = 0; g < GROUP_SIZE; ++g) a[g][i] += v * scores[g * stride + t];
+      }
     }
-    std::memcpy(acc + g * LANES * VECS, a, sizeof a);
+    for (int g = 0; g < GROUP_SIZE; ++g) std::memcpy(acc + g * D, a[g], sizeof a[g]);
+  } else {
+    for (int g = 0; g < GROUP_SIZE; ++g) {
+      f32xW a[VECS] = {};
+      const float* p = scores + g * stride;
+      for (int64_t t = 0; t < len; ++t)
+        for (int i = 0; i < VECS; ++i) a[i] += load_wide(values + t * D + WLANES * i) * p[t];
+      std::memcpy(acc + g * D, a, sizeof a);
+    }
+  }
+}
+
+template <int VECS, typename T>
+bool accumulate_values_group(const T* values, int64_t len, int group, const float* scores, int64_t stride,
+                             float* acc) {
+  switch (group) {
+    case 1: return accumulate_values_fixed<VECS, 1>(values, len, scores, stride, acc), true;
+    case 2: return accumulate_values_fixed<VECS, 2>(values, len, scores, stride, acc), true;
+    case 3: return accumulate_values_fixed<VECS, 3>(values, len, scores, stride, acc), true;
+    case 4: return accumulate_values_fixed<VECS, 4>(values, len, scores, stride, acc), true;
+    case 5: return accumulate_values_fixed<VECS, 5>(values, len, scores, stride, acc), true;
+    case 6: return accumulate_values_fixed<VECS, 6>(values, len, scores, stride, acc), true;
+    case 7: return accumulate_values_fixed<VECS, 7>(values, len, scores, stride, acc), true;
+    case 8: return accumulate_values_fixed<VECS, 8>(values, len, scores, stride, acc), true;
+    default: return false;
   }
 }
 
 template <typename T>
 void accumulate_values(const T* values, int64_t len, int group, int64_t d, const float* scores, int64_t stride,
                        float* acc) {
-  switch (d) {
-    case 32: return accumulate_values_fixed<32 / LANES>(values, len, group, scores, stride, acc);
-    case 64: return accumulate_values_fixed<64 / LANES>(values, len, group, scores, stride, acc);
-    case 96: return accumulate_values_fixed<96 / LANES>(values, len, group, scores, stride, acc);
-    case 128: return accumulate_values_fixed<128 / LANES>(values, len, group, scores, stride, acc);
-    default: break;
+  bool done = false;
+  if (d % WLANES == 0) {
+    switch (d / WLANES) {
+      case 2: done = accumulate_values_group<2>(values, len, group, scores, stride, acc); break;
+      case 4: done = accumulate_values_group<4>(values, len, group, scores, stride, acc); break;
+      case 6: done = accumulate_values_group<6>(values, len, group, scores, stride, acc); break;
+      case 8: done = accumulate_values_group<8>(values, len, group, scores, stride, acc); break;
+      case 16: done = accumulate_values_group<16>(values, len, group, scores, stride, acc); break;
+      default: break;
+    }
   }
+  if (done) return;
   std::fill(acc, acc + group * d, 0.0f);
   for (int g = 0; g < group; ++g)
     for (int64_t t = 0; t < len; ++t)
@@ -1037,7 +1149,7 @@ void attention_item(const float* q, const T* k_cache, const T* v_cache, int64_t 
   const int64_t len = std::min(total, t0 + chunk) - t0;
   const T* keys = k_cache + kv_head * capacity * d;
   const T* values = v_cache + kv_head * capacity * d;
-  score_chunk(q + kv_head * group * d, keys + t0 * d, values + t0 * d, len, group, d, scale, scores.data(), chunk);
+  score_chunk(q + kv_head * group * d, keys + t0 * d, len, group, d, scale, scores.data(), chunk);
   for (int g = 0; g < group; ++g) {
     float* s = scores.data() + g * chunk;
     float m = -INFINITY;

@@ -27,7 +27,9 @@ from pathlib import Path
 
 SPIN_FREE = 20_000  # pauses before sleeping when the cores are free (~0.1 ms: barriers are ~10 us apart)
 SPIN_SHARED = 2_000  # when other work shares the cores: give a taken core back sooner
-FREE_MARGIN = 0.25  # a core counts as free when other work keeps it busy at most 75% of the time
+# A core counts as free while other work keeps it busy less than half the time (a burst of other
+# work in the last window, such as a client sending its requests, does not halve the team).
+FREE_MARGIN = 0.5
 DECIDE_EVERY_S = 0.5
 _PROC_STAT = Path("/proc/stat")
 

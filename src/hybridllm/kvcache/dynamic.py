@@ -103,11 +103,14 @@ class DynamicCache(KVCache):
         end = start + n_new
         if end > self.spec.max_tokens:
             raise ValueError(f"KV cache full: {start} + {n_new} tokens exceed {self.spec.max_tokens}")
+        versions = [store.buffer.version for store in self._stores]
+        if versions != self._table_versions or end > min(self._table[2]):
+            for store in self._stores:
+                store.ensure(end)
+            versions = [store.buffer.version for store in self._stores]
         for store in self._stores:
-            store.ensure(end)
             store.length = end  # the caller writes rows start .. end - 1 itself
         self._lengths = [end] * len(self._stores)
-        versions = [store.buffer.version for store in self._stores]
         if versions != self._table_versions:
             buffers = [store.buffers() for store in self._stores]  # (B, Hkv, capacity, D) each
             self._table = ([k.data_ptr() for k, _ in buffers], [v.data_ptr() for _, v in buffers],
