@@ -338,6 +338,29 @@ def test_in_place_slots_only_where_a_kernel_can_write_the_buffer():
     assert not DynamicCache(KVSpec(2, 2, 16, torch.float32, CPU, batch_size=2)).supports_in_place(0)
 
 
+def test_in_place_rows_claim_every_layer_as_its_slots_would():
+    """A whole-model step claims every layer of a cache in one call: the same start, buffers and
+    lengths as a slot per layer; the buffers' addresses are read again after a reallocation."""
+    from hybridllm.kvcache.base import InPlaceRows, KVCache
+
+    spec = KVSpec(3, 2, 16, torch.float32, CPU, max_tokens=512)
+    fast, generic = DynamicCache(spec, page_size=16), DynamicCache(spec, page_size=16)
+    layers = [0, 1, 2]
+    for n_new in (5, 1, 40):  # the last one outgrows the first allocation
+        rows = fast.in_place_rows(layers, n_new)
+        reference = KVCache.in_place_rows(generic, layers, n_new)  # through in_place_slot, layer by layer
+        assert isinstance(rows, InPlaceRows) and rows.start == reference.start
+        assert rows.capacity == reference.capacity and rows.window == reference.window == [0, 0, 0]
+        assert rows.keys == [fast.in_place_slot(i, 0).keys.data_ptr() for i in layers]
+        assert rows.values == [fast.in_place_slot(i, 0).values.data_ptr() for i in layers]
+        assert [fast.length(i) for i in layers] == [generic.length(i) for i in layers] == [rows.start + n_new] * 3
+    assert fast.seq_length == 46 and min(rows.capacity) >= 46
+    with pytest.raises(ValueError, match="KV cache full"):
+        fast.in_place_rows(layers, 500)
+    assert fast.supports_in_place_layers(layers)
+    assert not DynamicCache(KVSpec(3, 2, 16, torch.bfloat16, CPU)).supports_in_place_layers(layers)
+
+
 def test_kernel_isa_names_the_build_and_the_march_variable_picks_it(avx2_library, monkeypatch):
     assert native._declare(avx2_library).hl_kernel_isa().decode() == "avx2"
     assert native.kernel_isa() in {"avx512-vnni", "avx2-vnni", "avx2"}  # -march=native on an AVX2 machine

@@ -195,6 +195,71 @@ def test_native_prefill_equals_the_pytorch_layers_on_float_weights(tiny_models, 
     torch.testing.assert_close(step, ref_step, atol=tolerance, rtol=tolerance)
 
 
+@pytest.fixture(params=[True, False], ids=["tiles", "no_tiles"])
+def amx_tiles(request):
+    """AMX tiles on (where the CPU has them) or off (then quantized weights' prefill goes through
+    the dequantized panels from a few rows on, as on CPUs without AMX)."""
+    library = native.kernels()
+    if request.param and not library.hl_amx():
+        pytest.skip("no AMX tiles on this machine")
+    library.hl_set_amx(int(request.param))
+    yield request.param
+    library.hl_set_amx(1)
+
+
+@pytest.mark.parametrize("weights", ["float", "int4"])
+def test_chunks_of_several_sequences_in_one_call_equal_each_alone(tiny_models, weights, amx_tiles, monkeypatch):
+    """``prefill_chunks``: several sequences' chunks (some continuing a cache already holding
+    tokens) in one native call give each chunk's logits and KV bitwise as its own forward does,
+    whichever product (panels or the decode products) each chunk's length gets alone."""
+    runner = _runner(_load(tiny_models, "llama", weights), "native")
+    gen = _gen(21)
+    vocab = runner.config.vocab_size
+    history = [0, 7, 0, 40]  # tokens already in each cache
+    lengths = [5, 33, 2, 12]  # this step's chunk of each sequence (below and above the panel thresholds)
+    pasts = [torch.randint(0, vocab, (1, n), generator=gen) for n in history]
+    chunks = [torch.randint(0, vocab, (1, n), generator=gen) for n in lengths]
+    alone, together = [], []
+    for cache_set in (alone, together):
+        for past in pasts:
+            cache = _cache(runner)
+            if past.shape[1]:
+                _prefill(runner, cache, past, chunk=64)
+            cache_set.append(cache)
+    with torch.inference_mode():
+        expected = [runner(chunk, cache, cache.seq_length)[0, -1] for chunk, cache in zip(chunks, alone)]
+        counts = _count_prefills(monkeypatch)
+        calls = {"chunks": 0}
+        original = native.NativeModel.prefill_chunks
+
+        def counting(self, *args, **kwargs):
+            calls["chunks"] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(native.NativeModel, "prefill_chunks", counting)
+        got = runner.prefill_chunks([(chunk[0].tolist(), cache) for chunk, cache in zip(chunks, together)])
+    assert calls["chunks"] == 1 and counts["prefill"] == 0  # one call for all four sequences
+    for i, (logits, reference) in enumerate(zip(got, expected)):
+        assert logits.shape == (1, 1, vocab)
+        assert torch.equal(logits[0, -1], reference), f"sequence {i}"  # each row's arithmetic is its own
+    for a, b in zip(alone, together):  # the same KV written, at the same positions
+        assert a.seq_length == b.seq_length
+        for layer in range(runner.config.n_layers):
+            for x, y in zip(a.read_layer(layer), b.read_layer(layer)):
+                assert torch.equal(x, y)
+
+
+def test_chunks_of_caches_without_in_place_slots_or_of_one_token_are_refused(tiny_models):
+    runner = _runner(_load(tiny_models, "llama"), "native")
+    c = runner.config
+    spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=c.max_position_embeddings)
+    tiered, plain = create_cache(KVConfig(kv_cache="tiered"), spec), _cache(runner)
+    with torch.inference_mode():
+        assert runner.prefill_chunks([([1, 2, 3], plain), ([4, 5], tiered)]) is None
+        assert runner.prefill_chunks([([1, 2, 3], plain), ([4], _cache(runner))]) is None  # a decode step
+    assert tiered.seq_length == 0 and plain.seq_length == 0  # nothing ran
+
+
 def test_last_logits_only_unless_asked(tiny_models):
     runner = _runner(_load(tiny_models, "llama"), "native")
     ids = torch.randint(0, runner.config.vocab_size, (1, 30), generator=_gen(12))

@@ -289,3 +289,42 @@ def test_reuse_across_placements_and_backends(tiny_models, placed):
     again = llm.generate(PROMPT, GREEDY)
     assert again.metrics["cached_tokens"] == len(PROMPT) // PAGE_TOKENS * PAGE_TOKENS
     assert again.token_ids == cold.token_ids
+
+
+def _burst(llm: LLM, prompts: list[list[int]], max_batch: int) -> tuple[list, Scheduler]:
+    """Every prompt submitted at once (max_batch 1: one at a time, in order); each request's last event."""
+    scheduler = Scheduler(llm.runtime, max_batch=max_batch, prefix_cache=llm.prefix_cache)
+    last: dict[int, object] = {}
+    for i, prompt in enumerate(prompts):
+        scheduler.submit(f"r{i}", prompt, GREEDY, lambda event, i=i: last.__setitem__(i, event))
+    scheduler.run_until_idle()
+    return [last[i] for i in range(len(prompts))], scheduler
+
+
+def test_a_burst_reuses_the_pages_its_first_prompts_prefill(tiny_models, monkeypatch):
+    """Requests admitted together look the prefix cache up right before their first chunk, and a
+    prompt whose first page another one of the step is prefilling waits a step: the burst prefills
+    each shared page once, the rest of the prompts' chunks go in one native call, and every
+    request gets the tokens it gets alone."""
+    from hybridllm.kernels import native
+
+    calls = []
+    original = native.NativeModel.prefill_chunks
+
+    def counting(self, x, cos, sin, caches, lengths, all_logits=False):
+        calls.append(list(lengths))
+        return original(self, x, cos, sin, caches, lengths, all_logits)
+
+    monkeypatch.setattr(native.NativeModel, "prefill_chunks", counting)
+    system = PROMPT[:PAGE_TOKENS + 5]  # a shared first page, and more
+    prompts = [system + [20 + i, 30 + i, 40 + i] for i in range(3)] * 2 + [PROMPT[40:80], PROMPT[40:80] + [7]]
+    alone = LLM(tiny_models["llama"][0])
+    expected = [alone.generate(prompt, GREEDY).token_ids for prompt in prompts]
+    llm = LLM(tiny_models["llama"][0], prefix_cache_ram="64MiB")
+    events, scheduler = _burst(llm, prompts, max_batch=len(prompts))
+    assert [event.token_ids for event in events] == expected
+    cached = [event.metrics["cached_tokens"] for event in events]
+    assert cached[0] == 0 and cached[6] == 0  # the first of each shared prefix prefilled it...
+    assert all(c == PAGE_TOKENS for i, c in enumerate(cached) if i not in (0, 6))  # ...the others reused it
+    assert calls and max(len(lengths) for lengths in calls) > 1  # chunks of several prompts in one call
+    assert scheduler.prefix_cache.stats.hits == sum(cached)

@@ -511,11 +511,12 @@ class Scheduler:
     def _prefill_forwards(self, planned: list[tuple[SequenceState, int, int]]) -> list[torch.Tensor | None]:
         """The logits of each planned chunk (``prompt_ids[start:end]`` of its sequence): (1, T,
         vocab) when its prompt's log-probabilities are asked, else (1, 1, vocab); None where the
-        forward failed (the sequence then ended with the error). Chunks of sequences on the placed
-        runner that want only their last logits go in one forward when the runner can take them."""
+        forward failed (the sequence then ended with the error). Chunks of two or more tokens of
+        sequences on the placed runner that want only their last logits go in one forward when the
+        runner can take them (each chunk's results are bitwise its forward's alone)."""
         together = [i for i, (seq, start, end) in enumerate(planned)
                     if seq.runner is self.runtime.runner and seq.params.prompt_logprobs is None
-                    and not self._crosses_rope_switch(seq, end - start)]
+                    and end - start > 1 and not self._crosses_rope_switch(seq, end - start)]
         results: list[torch.Tensor | None] = [None] * len(planned)
         if len(together) > 1:
             chunks = [(planned[i][0].prompt_ids[planned[i][1]:planned[i][2]], planned[i][0].cache) for i in together]

@@ -1125,13 +1125,25 @@ inline bool panel_product(const HLLinear& w, int64_t rows) {
   return !tile_product(w, TILE_M) && rows >= prefill::panel_min_rows(w);
 }
 
-// x @ W.T for `rows` rows: decode's batch-invariant products, or (a prefill chunk, see
-// panel_product) the dequantized-panel products.
+// x @ W.T for the `rows` rows of a step: decode's batch-invariant products, and for prefill
+// segments the product each segment would get alone (see panel_product: a segment's rows go
+// through the dequantized panels when it is long enough by itself), so that a prompt's prefill
+// does not depend on the other prompts prefilled with it. Every row's result depends on its own
+// row and path only (both products are row by row), so runs of segments with the same path go
+// together.
 void products_team(const Team& team, const HLLinear& w, const float* x, float* out, int64_t rows, Workspace& ws) {
-  if (ws.prefill && panel_product(w, rows)) {
-    prefill::linear_team(team, w, ws.inputs, x, out, rows);
-  } else {
-    linear_team(team, w, x, out, rows, &ws.acts);
+  if (!ws.prefill) return linear_team(team, w, x, out, rows, &ws.acts);
+  const int64_t k = w.in_features, n = w.out_features;
+  for (int64_t s = 0; s < ws.segments;) {
+    const bool panels = panel_product(w, ws.offsets[s + 1] - ws.offsets[s]);
+    int64_t end = s + 1;
+    while (end < ws.segments && panel_product(w, ws.offsets[end + 1] - ws.offsets[end]) == panels) ++end;
+    const int64_t r0 = ws.offsets[s], run = ws.offsets[end] - r0;
+    if (panels)
+      prefill::linear_team(team, w, ws.inputs, x + r0 * k, out + r0 * n, run);
+    else
+      linear_team(team, w, x + r0 * k, out + r0 * n, run, &ws.acts);
+    s = end;
   }
 }
 
@@ -1435,7 +1447,10 @@ void hl_prefill_model(const HLDecoderLayer* layers, const HLLayerCache* caches, 
       rms_norm(x + row * hidden, final_norm, eps, hidden, ws.normed.data() + r * hidden);
     }
     team.barrier();
-    products_team(team, *head, ws.normed.data(), logits, logit_rows, ws);
+    if (all_logits)  // the rows of the segments, each as its segment's own product would compute them
+      products_team(team, *head, ws.normed.data(), logits, logit_rows, ws);
+    else  // one row per segment: the product of one row, as alone
+      linear_team(team, *head, ws.normed.data(), logits, logit_rows, &ws.acts);
   });
 }
 

@@ -142,11 +142,14 @@ class ModelRunner:
 
     def prefill_chunks(self, chunks: Sequence[tuple[Sequence[int], KVCache]]) -> list[torch.Tensor] | None:
         """Prefill chunks of several sequences in one forward, where the backend can (the native
-        backend, every cache writable in place): ``chunks`` are (token ids, cache) pairs, the ids
-        continuing each cache at its length. Returns each chunk's last-position logits (1, 1,
-        vocab) float32, or None, with nothing run (then forward each chunk alone). Each chunk's
-        logits and KV are its forward's alone, up to the products' summation order."""
+        backend, every cache writable in place): ``chunks`` are (token ids, cache) pairs of at
+        least two tokens each (one token is a decode step, another kernel), the ids continuing
+        each cache at its length. Returns each chunk's last-position logits (1, 1, vocab) float32,
+        or None, with nothing run (then forward each chunk alone). Each chunk's logits and KV are
+        bitwise its forward's alone."""
         if self.model.rope_switch_length is not None:  # longrope picks its factors per sequence length
+            return None
+        if any(len(tokens) < 2 for tokens, _ in chunks):
             return None
         model, backend = self.model, self.backend
         lengths = [len(tokens) for tokens, _ in chunks]
