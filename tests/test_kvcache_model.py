@@ -49,9 +49,11 @@ EXACT = ["offloaded", "tiered", "tiered-sinks", "tiered-offload70", "host"]
 # relative error), and the least KV byte ratio against dynamic. With the defaults (per-token keys,
 # no float residual: the whole cache quantized, as compact as llama.cpp's q8_0 / q4_0) int4 measured
 # 8.1 % over the run and 36-47 % at its worst step (one where the model is sure: top probability
-# 1.00, so the distribution barely moves), +1.0 % perplexity (docs/benchmarks.md); int8 0.3 % / 1.2 %.
+# 1.00, so the distribution barely moves), +1.0 % perplexity (docs/benchmarks.md); int8 0.3 % / 1.2 %
+# on an AMD EPYC (Zen 5), 0.4 % / 2.3 % on an Intel Xeon (Sapphire Rapids) whose float32 kernels
+# round the model's activations differently (the same code; the worst step moves most).
 # Per-channel int4 keys measured 2.5 % / 9.9 % here, at 2.9-3.4x fewer bytes instead of 3.56x.
-QUANTIZED = {"quantized-int8": (0.01, 0.02, 1.9), "quantized-int4": (0.12, 0.75, 3.5)}
+QUANTIZED = {"quantized-int8": (0.01, 0.03, 1.9), "quantized-int4": (0.12, 0.75, 3.5)}
 
 
 def prompt_ids(llm: LLM) -> list[int]:
