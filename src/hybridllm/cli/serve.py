@@ -27,7 +27,7 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback unless told otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="HYBRIDLLM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes.")] = None,
-    max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests running at once (1 disables batching).")] = 16,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="Most requests running at once (1 disables batching).")] = 64,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Most requests waiting; more get 503 with Retry-After.")] = 256,
     host_budget: Annotated[Optional[str], typer.Option("--host-budget", help="Host RAM the KV cache may use, e.g. 4GiB (default: the RAM available at start).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API (default: the checkpoint's name).")] = None,
