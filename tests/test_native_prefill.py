@@ -159,15 +159,16 @@ def _prefill(runner, cache, ids: torch.Tensor, chunk: int, all_logits: bool = Fa
     return torch.cat(out, dim=1)
 
 
-def _count_prefills(monkeypatch) -> dict[str, int]:
-    counts = {"prefill": 0}
-    original = native.NativeModel.prefill
+def _count_calls(monkeypatch, method: str = "prefill") -> dict[str, int]:
+    """Count the calls of ``NativeModel.<method>`` (``counts[method]``)."""
+    counts = {method: 0}
+    original = getattr(native.NativeModel, method)
 
     def counting(self, *args, **kwargs):
-        counts["prefill"] += 1
+        counts[method] += 1
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(native.NativeModel, "prefill", counting)
+    monkeypatch.setattr(native.NativeModel, method, counting)
     return counts
 
 
@@ -176,7 +177,7 @@ def _count_prefills(monkeypatch) -> dict[str, int]:
 def test_native_prefill_equals_the_pytorch_layers_on_float_weights(tiny_models, arch, kv_dtype, monkeypatch):
     reference = _runner(_load(tiny_models, arch), "eager")
     model = _runner(_load(tiny_models, arch), "native")
-    counts = _count_prefills(monkeypatch)
+    counts = _count_calls(monkeypatch)
     ids = torch.randint(0, model.config.vocab_size, (1, 90), generator=_gen(11))
     expected = _prefill(reference, _cache(reference, kv_dtype), ids, chunk=40, all_logits=True)
     cache = _cache(model, kv_dtype)
@@ -228,17 +229,9 @@ def test_chunks_of_several_sequences_in_one_call_equal_each_alone(tiny_models, w
             cache_set.append(cache)
     with torch.inference_mode():
         expected = [runner(chunk, cache, cache.seq_length)[0, -1] for chunk, cache in zip(chunks, alone)]
-        counts = _count_prefills(monkeypatch)
-        calls = {"chunks": 0}
-        original = native.NativeModel.prefill_chunks
-
-        def counting(self, *args, **kwargs):
-            calls["chunks"] += 1
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(native.NativeModel, "prefill_chunks", counting)
+        counts, calls = _count_calls(monkeypatch), _count_calls(monkeypatch, "prefill_chunks")
         got = runner.prefill_chunks([(chunk[0].tolist(), cache) for chunk, cache in zip(chunks, together)])
-    assert calls["chunks"] == 1 and counts["prefill"] == 0  # one call for all four sequences
+    assert calls["prefill_chunks"] == 1 and counts["prefill"] == 0  # one call for all four sequences
     for i, (logits, reference) in enumerate(zip(got, expected)):
         assert logits.shape == (1, 1, vocab)
         assert torch.equal(logits[0, -1], reference), f"sequence {i}"  # each row's arithmetic is its own
@@ -272,7 +265,7 @@ def test_last_logits_only_unless_asked(tiny_models):
 @pytest.mark.parametrize("kv_cache", ["tiered", "quantized"])
 def test_strategies_without_in_place_slots_prefill_through_pytorch(tiny_models, kv_cache, monkeypatch):
     runner = _runner(_load(tiny_models, "llama"), "native")
-    counts = _count_prefills(monkeypatch)
+    counts = _count_calls(monkeypatch)
     c = runner.config
     spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=c.max_position_embeddings)
     cache = create_cache(KVConfig(kv_cache=kv_cache), spec)

@@ -44,6 +44,13 @@ inline bool amx_usable() { return amx_enabled.load(std::memory_order_relaxed) &&
 #define Q8_DOTS_HIGH_ODD 2  // head: the dots of odd groups
 #define Q8_DOTS_LOW_ODD 3
 
+// A group's two result tiles into the kernel's `dots[parity]` (high digits, then low digits).
+#define STORE_DOTS(HIGH, LOW, parity)        \
+  do {                                      \
+    _tile_stored(HIGH, dots[parity][0], 64); \
+    _tile_stored(LOW, dots[parity][1], 64);  \
+  } while (0)
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
@@ -133,24 +140,18 @@ void q4_rows_amx(const uint8_t* blocks, const ActivationRows& acts, int64_t grou
     _tile_dpbsud(HIGH, INPUT_HIGH, QUADS);                             \
     _tile_dpbsud(LOW, INPUT_LOW, QUADS);                               \
   } while (0)
-#define Q4_GROUP_STORE(HIGH, LOW, parity)        \
-  do {                                          \
-    _tile_stored(HIGH, dots[parity][0], 64);    \
-    _tile_stored(LOW, dots[parity][1], 64);     \
-  } while (0)
     Q4_GROUP_MULTIPLY(DOTS_HIGH, DOTS_LOW, 0);
-    Q4_GROUP_STORE(DOTS_HIGH, DOTS_LOW, 0);
+    STORE_DOTS(DOTS_HIGH, DOTS_LOW, 0);
     const float* rows = acts.tile_scales(m0 / TILE_M, 0);
     for (int64_t g = 0; g < groups; g += 2) {  // even groups in the first pair of tiles, odd ones in the second
       if (g + 1 < groups) Q4_GROUP_MULTIPLY(DOTS_HIGH_ODD, DOTS_LOW_ODD, g + 1);
       q4_tile_float_steps(acc, dots[0], params + g * 32, rows + g * 2 * TILE_M);
-      if (g + 1 < groups) Q4_GROUP_STORE(DOTS_HIGH_ODD, DOTS_LOW_ODD, 1);
+      if (g + 1 < groups) STORE_DOTS(DOTS_HIGH_ODD, DOTS_LOW_ODD, 1);
       if (g + 2 < groups) Q4_GROUP_MULTIPLY(DOTS_HIGH, DOTS_LOW, g + 2);
       if (g + 1 < groups) q4_tile_float_steps(acc, dots[1], params + (g + 1) * 32, rows + (g + 1) * 2 * TILE_M);
-      if (g + 2 < groups) Q4_GROUP_STORE(DOTS_HIGH, DOTS_LOW, 0);
+      if (g + 2 < groups) STORE_DOTS(DOTS_HIGH, DOTS_LOW, 0);
     }
 #undef Q4_GROUP_MULTIPLY
-#undef Q4_GROUP_STORE
     for (int64_t r = 0; r < TILE_M && m0 + r < acts.rows(); ++r)
       _mm512_mask_storeu_ps(out + (m0 + r) * n_out, valid, acc[r]);
   }
@@ -193,24 +194,18 @@ void q8_groups_range_amx(const int8_t* w, const float* scales, const ActivationR
     _tile_dpbssd(HIGH, CODES, QUADS);                                     \
     _tile_dpbssd(LOW, CODES, QUADS_LOW);                                  \
   } while (0)
-#define Q8_GROUP_STORE(HIGH, LOW, parity)        \
-  do {                                          \
-    _tile_stored(HIGH, dots[parity][0], 64);    \
-    _tile_stored(LOW, dots[parity][1], 64);     \
-  } while (0)
       Q8_GROUP_MULTIPLY(DOTS_HIGH, DOTS_LOW, 0);
-      Q8_GROUP_STORE(DOTS_HIGH, DOTS_LOW, 0);
+      STORE_DOTS(DOTS_HIGH, DOTS_LOW, 0);
       for (int64_t g = 0; g < groups; g += 2) {  // even groups in the first pair of tiles, odd ones in the second
         if (g + 1 < groups) Q8_GROUP_MULTIPLY(Q8_DOTS_HIGH_ODD, Q8_DOTS_LOW_ODD, g + 1);
         q8_tile_float_steps(acc, dots[0], scales + g * n_rows + n, acts.tile_scales(block, g), g == 0);
-        if (g + 1 < groups) Q8_GROUP_STORE(Q8_DOTS_HIGH_ODD, Q8_DOTS_LOW_ODD, 1);
+        if (g + 1 < groups) STORE_DOTS(Q8_DOTS_HIGH_ODD, Q8_DOTS_LOW_ODD, 1);
         if (g + 2 < groups) Q8_GROUP_MULTIPLY(DOTS_HIGH, DOTS_LOW, g + 2);
         if (g + 1 < groups)
           q8_tile_float_steps(acc, dots[1], scales + (g + 1) * n_rows + n, acts.tile_scales(block, g + 1), false);
-        if (g + 2 < groups) Q8_GROUP_STORE(DOTS_HIGH, DOTS_LOW, 0);
+        if (g + 2 < groups) STORE_DOTS(DOTS_HIGH, DOTS_LOW, 0);
       }
 #undef Q8_GROUP_MULTIPLY
-#undef Q8_GROUP_STORE
       for (int r = 0; r < 16; ++r) _mm512_store_ps(results[r], acc[r]);
       for (int64_t m = 0; m < TILE_M && block * TILE_M + m < acts.rows(); ++m)
         for (int r = 0; r < 16; ++r) out[(block * TILE_M + m) * n_out + n + r] = results[r][m];
@@ -228,6 +223,7 @@ void q8_groups_range_amx(const int8_t* w, const float* scales, const ActivationR
 #undef DOTS_LOW_ODD
 #undef Q8_DOTS_HIGH_ODD
 #undef Q8_DOTS_LOW_ODD
+#undef STORE_DOTS
 #else
 inline bool amx_usable() { return false; }
 #endif
