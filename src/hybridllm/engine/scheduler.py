@@ -13,7 +13,10 @@ Every request, from ``LLM.generate`` as from the server, runs through :class:`Sc
    runner as a (B,) ``start_pos``;
 4. prefills new sequences in chunks of ``prefill_chunk`` prompt tokens, at most that many
    tokens per step, so a long prompt does not stall the running decodes. Chunk boundaries are
-   multiples of ``prefill_chunk``, so a sequence's forwards do not depend on its neighbours.
+   multiples of ``prefill_chunk``, so a sequence's forwards do not depend on its neighbours; a
+   step's chunks go in one forward where the runner takes several sequences' chunks at once,
+   each computed as alone. The prefix cache is asked right before a sequence's first chunk
+   (not at admission), so requests admitted together reuse what the first of them prefilled.
 
 A request for ``n > 1`` sequences is admitted once (its KV reservation and batch slots count
 n times) and prefilled once; when its prompt is done it forks into n sequences, each on its own
@@ -521,7 +524,9 @@ class Scheduler:
         if len(together) > 1:
             chunks = [(planned[i][0].prompt_ids[planned[i][1]:planned[i][2]], planned[i][0].cache) for i in together]
             try:
-                logits = self._run_chunks(chunks, [planned[i][0] for i in together])
+                runner = self.runtime.runner
+                logits = self._sharing_hops(runner, [planned[i][0] for i in together],
+                                            lambda: runner.prefill_chunks(chunks))
             except Exception:  # a budget or any other error: undo what it appended, run each chunk alone
                 logger.debug("prefill of %d chunks together failed; running them one by one", len(chunks), exc_info=True)
                 logits = None
@@ -540,17 +545,6 @@ class Scheduler:
             except Exception as exc:
                 self._fail(seq, exc, "prefill failed")
         return results
-
-    def _run_chunks(self, chunks: list[tuple[list[int], Any]], rows: list[SequenceState]) -> list[torch.Tensor] | None:
-        """``runner.prefill_chunks(chunks)``; its hidden-state hops are shared by the sequences."""
-        runner = self.runtime.runner
-        hops_before = runner.hop_bytes
-        logits = runner.prefill_chunks(chunks)
-        moved = runner.hop_bytes - hops_before
-        self._hop_bytes += moved
-        for seq in rows:
-            seq.hop_bytes += moved // len(rows)
-        return logits
 
     def _reuse_prefix(self, seq: SequenceState) -> None:
         """Before a sequence's first prefill chunk, copy the cached pages of its prompt's prefix
@@ -616,13 +610,18 @@ class Scheduler:
     def _run_runner(self, runner: Any, ids: torch.Tensor, cache: Any, start_pos: int | torch.Tensor,
                     rows: list[SequenceState], all_logits: bool = False) -> torch.Tensor:
         """``runner(ids, cache, start_pos)``; its hidden-state hops are shared by the rows."""
+        return self._sharing_hops(runner, rows, lambda: runner(ids, cache, start_pos=start_pos, all_logits=all_logits))
+
+    def _sharing_hops(self, runner: Any, rows: list[SequenceState], forward: Callable[[], Any]) -> Any:
+        """``forward()`` on ``runner``; the hidden-state bytes it moved count for the loop and,
+        shared evenly, for each of ``rows``."""
         hops_before = runner.hop_bytes
-        logits = runner(ids, cache, start_pos=start_pos, all_logits=all_logits)  # (B, 1 or T, vocab)
+        result = forward()
         moved = runner.hop_bytes - hops_before
         self._hop_bytes += moved
-        for seq in rows:  # every row moves the same hidden-state bytes
+        for seq in rows:
             seq.hop_bytes += moved // len(rows)
-        return logits
+        return result
 
     # ---- per-sequence policies ---------------------------------------------------------------
     def _relieve(self, seq: SequenceState) -> None:
