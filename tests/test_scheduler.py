@@ -229,6 +229,35 @@ def test_adaptive_capacity_counts_the_host_and_moves_sequences_there(tiny_folder
     assert sched.ledger.current("device") == sched.ledger.current("host") == 0
 
 
+def test_idle_steps_prefill_several_chunks_and_decoding_steps_one(tiny_folder):
+    """While no sequence decodes, a step prefills up to IDLE_PREFILL_CHUNKS chunks' worth of
+    prompts (in chunks of prefill_chunk); once sequences decode, a step prefills at most one
+    chunk's worth; every request still gets its tokens alone."""
+    from hybridllm.engine.scheduler import IDLE_PREFILL_CHUNKS
+
+    chunk = 16
+    llm = LLM(model=tiny_folder, prefill_chunk=chunk)
+    steps: list[tuple[int, int]] = []
+
+    class Observer(SchedulerObserver):
+        def on_step(self, decode_rows, prefill_tokens):
+            steps.append((decode_rows, prefill_tokens))
+
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(12)] for i in range(IDLE_PREFILL_CHUNKS + 4)]  # 12 tokens each
+    sched = Scheduler(llm.runtime, max_batch=len(prompts), observer=Observer())
+    out = Collector()
+    for i, prompt in enumerate(prompts):
+        sched.submit(f"r{i}", prompt, params, out.sink(f"r{i}"))
+    sched.run_until_idle()
+    (first_decode, first_prefill), (second_decode, second_prefill) = steps[:2]
+    assert first_decode == 0 and chunk < first_prefill <= IDLE_PREFILL_CHUNKS * chunk  # several prompts at once
+    assert second_decode > 0 and 0 < second_prefill <= chunk  # the first ones decode: one chunk's worth
+    assert sum(prefill for _, prefill in steps) == 12 * len(prompts)
+    for i, prompt in enumerate(prompts):
+        assert out.last(f"r{i}").token_ids == llm.generate(prompt, params).token_ids
+
+
 # ---- the default model: batched greedy == single-request generate ----------------------------
 @pytest.mark.slow
 def test_batched_greedy_equals_single_request_generate(default_llm):

@@ -12,7 +12,8 @@ Every request, from ``LLM.generate`` as from the server, runs through :class:`Sc
    sit behind a :class:`~hybridllm.kvcache.batch.BatchedCaches`, their positions go to the
    runner as a (B,) ``start_pos``;
 4. prefills new sequences in chunks of ``prefill_chunk`` prompt tokens, at most that many
-   tokens per step, so a long prompt does not stall the running decodes. Chunk boundaries are
+   tokens per step while sequences decode, so a long prompt does not stall the running decodes
+   (``IDLE_PREFILL_CHUNKS`` chunks' worth while none does). Chunk boundaries are
    multiples of ``prefill_chunk``, so a sequence's forwards do not depend on its neighbours; a
    step's chunks go in one forward where the runner takes several sequences' chunks at once,
    each computed as alone. The prefix cache is asked right before a sequence's first chunk
@@ -77,6 +78,11 @@ from hybridllm.timing import synchronize
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdmissionError", "QueueFullError", "Scheduler", "SchedulerObserver", "SeqEvent", "SequenceState"]
+
+# Prompt tokens a step may prefill, in chunks, while no sequence is decoding: a burst of requests
+# starts with its prompts prefilled in fewer, larger forwards (the chunks themselves stay
+# ``prefill_chunk`` long, so no sequence's forwards change).
+IDLE_PREFILL_CHUNKS = 4
 
 
 class SchedulerObserver:
@@ -467,9 +473,11 @@ class Scheduler:
     def _prefill_step(self) -> int:
         """Prefill chunks of new sequences, up to ``prefill_chunk`` tokens, in one forward where
         the runner takes several sequences' chunks at once (else one per sequence); returns the
-        tokens run. A sequence whose prompt starts with the page another one is prefilling in
-        this step waits for the next step, and reuses that page then."""
-        budget = self.prefill_chunk
+        tokens run. While no sequence is decoding (nothing waits on the step) the step may take
+        ``IDLE_PREFILL_CHUNKS`` chunks' worth of prompts. A sequence whose prompt starts with the
+        page another one is prefilling in this step waits for the next step, and reuses that page then."""
+        decoding = any(seq.pending is not None for seq in self._running)
+        budget = self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
         used = 0
         planned: list[tuple[SequenceState, int, int]] = []
         in_flight: set[bytes] = set()  # first pages being prefilled (not cached yet) in this step
