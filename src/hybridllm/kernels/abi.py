@@ -20,7 +20,7 @@ from hybridllm.kernels.build import load_decode_library
 
 GROUP = 32
 Q4_ROWS = 16  # rows per Q4 block (q4_blocks.h)
-Q4_BLOCK_BYTES = 64 + 256  # 16 bfloat16 scales, 16 zeros, 16 x 32 codes
+Q4_PARAM_BYTES = Q4_ROWS * 2 * 2  # a block's bfloat16 scales, then its zeros (its codes follow)
 FORMAT_F32, FORMAT_Q4, FORMAT_Q8_ROWS, FORMAT_Q8_GROUPS = 0, 1, 2, 3
 KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # decode.cpp's KVDtype: the KV the kernels read as stored
 MAX_HEAD_DIM = 512  # decode.cpp's rotary scratch
@@ -157,7 +157,7 @@ def pack_int4_blocks(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> tor
     nibbles = nibbles.reshape(blocks, Q4_ROWS, groups, 4, 4)  # (blocks, row n, G, chunk j, t)
     chunks = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, groups, 4 * Q4_ROWS * 4)  # (blocks, G, [j][n][t])
     params = sz.reshape(blocks, Q4_ROWS, groups, 2).permute(0, 2, 3, 1)  # (blocks, G, scale|zero, row n)
-    params = params.contiguous().view(torch.uint8).reshape(blocks, groups, 64)
+    params = params.contiguous().view(torch.uint8).reshape(blocks, groups, Q4_PARAM_BYTES)
     return torch.cat((params, chunks), dim=-1).contiguous()  # (blocks, G, 64 + 256)
 
 
@@ -166,9 +166,9 @@ def unpack_int4_blocks(blocks: torch.Tensor, n: int, k: int) -> tuple[torch.Tens
     scale/zero."""
     groups = k // GROUP
     count = blocks.shape[0]
-    params = blocks[..., :64].contiguous().view(torch.bfloat16).reshape(count, groups, 2, Q4_ROWS)
+    params = blocks[..., :Q4_PARAM_BYTES].contiguous().view(torch.bfloat16).reshape(count, groups, 2, Q4_ROWS)
     sz = params.permute(0, 3, 1, 2).reshape(count * Q4_ROWS, groups, 2)[:n]  # (N, G, 2)
-    chunks = blocks[..., 64:].reshape(count, groups, 4, Q4_ROWS, 4).permute(0, 3, 1, 2, 4)  # (blocks, n, G, j, t)
+    chunks = blocks[..., Q4_PARAM_BYTES:].reshape(count, groups, 4, Q4_ROWS, 4).permute(0, 3, 1, 2, 4)  # (blocks, n, G, j, t)
     nibbles = chunks.reshape(count * Q4_ROWS, groups, 16)[:n]  # (N, G, 16)
     codes = torch.cat((nibbles & 15, nibbles >> 4), dim=-1)  # (N, G, 32): q[j], then q[j + 16]
     return codes.reshape(n, k).contiguous(), sz.transpose(0, 1).contiguous()
