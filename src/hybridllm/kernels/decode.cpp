@@ -1320,16 +1320,15 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
 // out_features): dequantized panels (prefill_gemm.h) where panel_product says so, the decode
 // products below that.
 void hl_prefill_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int32_t n_threads) {
+  Workspace& ws = shared_workspace();  // its input-row buffers: one team runs at a time (the pool's lock)
   if (!panel_product(*w, rows)) {
-    static ActivationRows acts;  // one team runs at a time (the pool's lock)
-    run_team(n_threads, [&](const Team& team) { linear_team(team, *w, x, out, rows, &acts); });
+    run_team(n_threads, [&](const Team& team) { linear_team(team, *w, x, out, rows, &ws.acts); });
     return;
   }
-  static prefill::Inputs inputs;  // one team runs at a time (the pool's lock): scratch shared by calls
   run_team(n_threads, [&](const Team& team) {
-    if (team.thread == 0) inputs.reserve(rows, w->in_features);  // under the lock
+    if (team.thread == 0) ws.inputs.reserve(rows, w->in_features);  // under the lock
     team.barrier();
-    prefill::linear_team(team, *w, inputs, x, out, rows);
+    prefill::linear_team(team, *w, ws.inputs, x, out, rows);
   });
 }
 

@@ -32,8 +32,10 @@ class NativeInt4Linear(Int4Linear):
     """An :class:`~hybridllm.models.quantized.Int4Linear` whose only copy is the native block layout.
 
     Buffers: ``weight`` ((ceil(N/16), K/32, 320) uint8 blocks, CPU). ``forward`` runs the native
-    product (float32 activations, float32 results; bfloat16 pair dots where the CPU has them,
-    as PyTorch's int4 kernel computes). Lives on the CPU only.
+    product (float32 activations, float32 results): the decode products' integer dots for few
+    rows or on AMX tiles, else dequantized panels (bfloat16 pair dots where the CPU has them, as
+    PyTorch's int4 kernel computes; :func:`~hybridllm.kernels.abi.prefill_precision`). Lives on
+    the CPU only.
     """
 
     def __init__(self, in_features: int, out_features: int, blocks: torch.Tensor,
