@@ -13,6 +13,7 @@ from torch import nn
 from hybridllm.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from hybridllm.errors import UnsupportedModelError
 from hybridllm.kvcache import DynamicCache, KVSpec
+from hybridllm.kvcache.attention import layer_attention
 from hybridllm.loading.gguf import GGUFFile
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.registry import open_checkpoint
@@ -21,6 +22,8 @@ from hybridllm.models.quantized import Int8Linear
 from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.runner import build_runner
+
+from conftest import ALL_ARCHS
 
 CPU = torch.device("cpu")
 
@@ -80,19 +83,28 @@ def test_stacked_checkpoint_loads_as_it_is(tiny_models):
     assert logits.argmax(-1).eq(expected.argmax(-1)).float().mean() > 0.8  # int8 rounding, same model
 
 
-@pytest.mark.parametrize("arch, reason", [("qwen3", "q/k norm"), ("phi3_partial", "partial rotary")])
-def test_native_backend_keeps_the_pytorch_step_for_layers_it_cannot_run(tiny_models, arch, reason):
-    model = _load(tiny_models[arch][0])
-    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), "native")
-    report = runner.report.build
-    assert report.kernel_layers == 0 and not report.whole_step
-    assert len(report.skipped) == model.config.n_layers and all(reason in s for s in report.skipped)
-
-
-def test_native_backend_runs_phi3(tiny_models):
-    model = _load(tiny_models["phi3"][0])
-    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), "native")
-    assert runner.report.build.whole_step and runner.report.build.skipped == []
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_native_backend_runs_every_architecture(tiny_models, arch):
+    """q/k norms, partial rotary, QKV bias, GeGLU, the Gemma block's norms, embedding scaling, score
+    scale and soft-cap, sliding-window layers with their own rotary base: every family's layers and
+    head run natively in whole steps (prefill chunks and decode), as its PyTorch layers compute."""
+    runs = {}
+    for backend in ("eager", "native"):
+        model = _load(tiny_models[arch][0])
+        runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), backend)
+        c = model.config
+        spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=c.max_position_embeddings,
+                      attention=layer_attention(c))
+        cache = DynamicCache(spec, page_size=16)
+        ids = torch.randint(0, c.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            logits = [runner(ids[:, :25], cache, 0, all_logits=True), runner(ids[:, 25:33], cache, 25, all_logits=True)]
+            logits += [runner(ids[:, t:t + 1], cache, t) for t in range(33, 40)]
+        runs[backend] = torch.cat(logits, dim=1)
+        if backend == "native":
+            report = runner.report.build
+            assert report.whole_step and report.skipped == [] and report.kernel_layers == c.n_layers
+    torch.testing.assert_close(runs["native"], runs["eager"], atol=2e-4, rtol=1e-4)
 
 
 def test_unsupported_architecture_names_the_supported_ones():

@@ -183,7 +183,7 @@ def test_cli_doctor_json_schema():
     kernels = report["kernels"]
     assert kernels["march"] == "native" and (kernels["isa"] in {"avx512-vnni", "avx2-vnni", "avx2", "portable"}
                                              or kernels["error"])
-    assert kernels["prefill_precision"] in {"int8 (AMX)", "bfloat16", "float32"} or kernels["error"]
+    assert kernels["prefill_precision"] in {"int8 (AMX)", "int8"} or kernels["error"]  # the decode products
     assert kernels["amx_tiles"] == (kernels["prefill_precision"] == "int8 (AMX)")
     for check in report["checks"]:
         assert set(check) == {"name", "status", "value", "recommendation"}

@@ -1,11 +1,11 @@
-"""The native kernels' C ABI: the structs ``decode.cpp`` reads, its exported functions' argument
-types, and the weight layout its int4 products read.
+"""The native kernels' C ABI: the structs ``abi.h`` declares, the exported functions' argument
+types (``decode.cpp``), and the weight formats they read.
 
     library = kernels()            # the built library, argument types declared
     blocks = pack_int4_blocks(codes, scales_and_zeros)
     codes, scales_and_zeros = unpack_int4_blocks(blocks, n, k)
 
-The ctypes structures mirror ``decode.cpp``'s ``extern "C"`` structs field for field
+The ctypes structures mirror ``abi.h``'s ``extern "C"`` structs field for field
 (``ABI_VERSION`` in ``hybridllm.kernels.build`` guards the pairing).
 """
 
@@ -19,11 +19,20 @@ import torch
 from hybridllm.kernels.build import load_decode_library
 
 GROUP = 32
-Q4_ROWS = 16  # rows per Q4 block (q4_blocks.h)
-Q4_PARAM_BYTES = Q4_ROWS * 2 * 2  # a block's bfloat16 scales, then its zeros (its codes follow)
-FORMAT_F32, FORMAT_Q4, FORMAT_Q8_ROWS, FORMAT_Q8_GROUPS = 0, 1, 2, 3
-KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # decode.cpp's KVDtype: the KV the kernels read as stored
-MAX_HEAD_DIM = 512  # decode.cpp's rotary scratch
+Q4_ROWS = 16  # rows per tile of every quantized format (qtypes.h)
+Q4_PARAM_BYTES = Q4_ROWS * 2 * 2  # a Q4 tile's bfloat16 scales, then its zeros (its codes follow)
+# abi.h's WeightFormat
+FORMAT_F32, FORMAT_Q4, FORMAT_I8_ROWS, FORMAT_I8_GROUPS, FORMAT_F16, FORMAT_BF16 = 0, 1, 2, 3, 4, 5
+# The GGUF types the kernels read in their own format (tiles of 16 rows, the file's scales kept),
+# and the GGUF float types they read as rows.
+GGUF_FORMATS = {"Q4_0": 6, "Q4_1": 7, "Q5_0": 8, "Q5_1": 9, "Q8_0": 10, "Q4_K": 11, "Q5_K": 12, "Q6_K": 13,
+                "IQ4_NL": 14, "IQ4_XS": 15, "F16": FORMAT_F16, "BF16": FORMAT_BF16, "F32": FORMAT_F32}
+FLOAT_FORMATS = {FORMAT_F32: torch.float32, FORMAT_F16: torch.float16, FORMAT_BF16: torch.bfloat16}
+SUPER_BLOCK = {name: 1 if code in FLOAT_FORMATS else 256 if name.endswith("_K") or name == "IQ4_XS" else 32
+               for name, code in GGUF_FORMATS.items()}
+ACT_SILU, ACT_GELU_TANH = 0, 1  # abi.h's MlpActivation
+KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # abi.h's KVDtype: the KV the kernels read as stored
+MAX_HEAD_DIM = 512  # layer.h's rotary scratch
 
 
 class HLLinear(ctypes.Structure):
@@ -38,18 +47,32 @@ class HLLinear(ctypes.Structure):
     ]
 
 
+class HLProjection(ctypes.Structure):
+    _fields_ = [("parts", HLLinear * 3), ("n_parts", ctypes.c_int32)]
+
+
 class HLDecoderLayer(ctypes.Structure):
     _fields_ = [
-        ("qkv", HLLinear),
+        ("qkv", HLProjection),
         ("o", HLLinear),
-        ("gate_up", HLLinear),
+        ("gate_up", HLProjection),
         ("down", HLLinear),
         ("attn_norm", ctypes.c_void_p),
         ("mlp_norm", ctypes.c_void_p),
+        ("post_attn_norm", ctypes.c_void_p),
+        ("post_mlp_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
         ("eps", ctypes.c_float),
+        ("attn_scale", ctypes.c_float),
+        ("attn_softcap", ctypes.c_float),
+        ("activation", ctypes.c_int32),
         ("n_heads", ctypes.c_int32),
         ("n_kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32),
+        ("rotary_dim", ctypes.c_int32),
+        ("rope_table", ctypes.c_int32),
+        ("n_rope_tables", ctypes.c_int32),
         ("hidden", ctypes.c_int64),
         ("intermediate", ctypes.c_int64),
     ]
@@ -72,38 +95,32 @@ _SLOT_BYTES = ctypes.sizeof(HLLayerCache)
 @functools.cache
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     """Argument types of the exported functions (ctypes then converts ints and pointers)."""
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    library.hl_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i64, i32]
-    library.hl_linear.restype = None
-    library.hl_prefill_linear.argtypes = [ctypes.POINTER(HLLinear), ptr, ptr, i64, i32]
-    library.hl_prefill_linear.restype = None
-    library.hl_prefill_precision.argtypes = []
-    library.hl_prefill_precision.restype = ctypes.c_char_p
-    library.hl_prefill_uses_panels.argtypes = [ctypes.POINTER(HLLinear), i64]
-    library.hl_prefill_uses_panels.restype = i32
-    library.hl_amx.argtypes = []
-    library.hl_amx.restype = i32
-    library.hl_set_amx.argtypes = [i32]
-    library.hl_set_amx.restype = i32
-    library.hl_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, ptr, i32]
-    library.hl_attention.restype = None
-    library.hl_prefill_attention.argtypes = [ptr, ptr, ptr, i32, i64, i64, i64, i32, i32, i32, i32, ptr, i32]
-    library.hl_prefill_attention.restype = None
-    library.hl_decode_layer.argtypes = [ctypes.POINTER(HLDecoderLayer), ptr, ptr, ctypes.POINTER(HLLayerCache), i64,
-                                        ptr, ptr, i32]
-    library.hl_decode_layer.restype = None
-    library.hl_decode_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr,
-                                        ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32]
-    library.hl_decode_model.restype = None
-    library.hl_prefill_model.argtypes = [ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr,
-                                         ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.POINTER(HLLinear), ptr, i32, i32]
-    library.hl_prefill_model.restype = None
-    library.hl_set_spin_wait.argtypes = [i32]
-    library.hl_set_spin_wait.restype = None
-    library.hl_spin_wait.argtypes = []
-    library.hl_spin_wait.restype = i32
-    library.hl_kernel_isa.argtypes = []
-    library.hl_kernel_isa.restype = ctypes.c_char_p
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    linear = ctypes.POINTER(HLLinear)
+    signatures = {
+        "hl_linear": ([linear, ptr, ptr, i64, i32], None),
+        "hl_reference_linear": ([linear, ptr, ptr, i64], None),
+        "hl_tiled_bytes": ([i32, i64, i64], i64),
+        "hl_pack_gguf": ([i32, ptr, i64, i64, ptr, i32], i32),
+        "hl_pack_int8": ([i32, ptr, ptr, i64, i64, ptr], i32),
+        "hl_dequantize_rows": ([linear, ptr, i64, ptr], None),
+        "hl_amx": ([], i32),
+        "hl_set_amx": ([i32], i32),
+        "hl_attention": ([ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, ptr, i32], None),
+        "hl_prefill_attention": ([ptr, ptr, ptr, i32, i64, i64, i64, i32, i32, i32, i32, ptr, i32], None),
+        "hl_decode_layer": ([ctypes.POINTER(HLDecoderLayer), ptr, ptr, ctypes.POINTER(HLLayerCache), i64, ptr, ptr, i32],
+                            None),
+        "hl_decode_model": ([ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr, ptr, ptr, ptr,
+                             f32, linear, f32, ptr, i32], None),
+        "hl_prefill_model": ([ctypes.POINTER(HLDecoderLayer), ctypes.POINTER(HLLayerCache), i64, i64, ptr, ptr, ptr, ptr,
+                              ptr, f32, linear, f32, ptr, i32, i32], None),
+        "hl_set_spin_wait": ([i32], None),
+        "hl_spin_wait": ([], i32),
+        "hl_kernel_isa": ([], ctypes.c_char_p),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, restype
     return library
 
 
@@ -119,22 +136,27 @@ def kernel_isa() -> str:
 
 
 def amx_tiles() -> bool:
-    """Whether the native products of many rows (batched decode, prefill chunks) of int4 and
-    grouped int8 weights run on AMX tiles (built for them, and granted by the OS)."""
+    """Whether the native products of many rows (batched decode, prefill chunks) of quantized
+    weights run on AMX tiles (built for them, and granted by the OS; the same bits as the vector
+    kernels)."""
     return bool(kernels().hl_amx())
 
 
 def prefill_precision() -> str:
-    """How the native prefill products on int4 weights compute: "int8 (AMX)" (the decode
-    products' exact integer dots over two int8 digits per activation, on AMX tiles), or in
-    dequantized panels of "bfloat16" (bf16 pair dots, AVX512-BF16) or "float32" (float32
-    weights always use float32 panels)."""
-    return "int8 (AMX)" if amx_tiles() else kernels().hl_prefill_precision().decode()
+    """How the native prefill products compute: as decode steps do (one arithmetic per row), the
+    quantized weights' exact integer dots over two int8 digits per activation, on AMX tiles where
+    the CPU has them."""
+    return "int8 (AMX)" if amx_tiles() else "int8"
+
+
+def tiled_bytes(format_code: int, n: int, k: int) -> int:
+    """Bytes of an (n, k) matrix in a quantized format's tiles (qtypes.h; 0 if it cannot hold k)."""
+    return int(kernels().hl_tiled_bytes(format_code, n, k))
 
 
 # ---- weights as the kernels read them ------------------------------------------------------
 def pack_int4_blocks(codes: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """int4 rows in the kernels' block layout (q4_blocks.h): (ceil(N/16), K/32, 320) bytes.
+    """int4 rows in the kernels' FORMAT_Q4 tiles (qtypes.h): (ceil(N/16), K/32, 320) bytes.
 
     Args:
         codes: (N, K) codes 0..15.

@@ -55,10 +55,11 @@ from torch import nn
 
 from hybridllm.kernels.abi import (
     _SLOT_BYTES,
+    ACT_GELU_TANH,
+    ACT_SILU,
+    FLOAT_FORMATS,
     FORMAT_F32,
     FORMAT_Q4,
-    FORMAT_Q8_GROUPS,
-    FORMAT_Q8_ROWS,
     GROUP,
     KV_DTYPES,
     MAX_HEAD_DIM,
@@ -66,6 +67,7 @@ from hybridllm.kernels.abi import (
     HLDecoderLayer,
     HLLayerCache,
     HLLinear,
+    HLProjection,
     _declare,
     amx_tiles,
     kernel_isa,
@@ -74,14 +76,14 @@ from hybridllm.kernels.abi import (
     unpack_int4_blocks,
 )
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
-from hybridllm.kernels.native_linear import NativeInt4Linear, hold_int4_natively
+from hybridllm.kernels.native_linear import NativeInt4Linear, NativeQuantLinear, hold_natively, native_module
 from hybridllm.kernels.threads import FixedTeam, ThreadPolicy
 from hybridllm.kvcache.base import KVCache
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.models.fuse import ConcatLinear
-from hybridllm.models.layers import SwiGLU
+from hybridllm.models.layers import GeGLU, RMSNorm, SwiGLU
 from hybridllm.models.llama import GemmaDecoderLayer
-from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
+from hybridllm.models.quantized import Int4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -131,56 +133,72 @@ def float32_view(weight: torch.Tensor) -> LinearView:
     return LinearView(HLLinear(FORMAT_F32, 0, n, k, weight.data_ptr(), 0, 0), [weight])
 
 
+_TORCH_FLOAT_FORMATS = {dtype: code for code, dtype in FLOAT_FORMATS.items()}
+
+
 def linear_view(module: nn.Module) -> LinearView:
-    """Describe a float32 / int4 / int8 linear module for the kernels (raises ValueError if unsupported)."""
+    """Describe one weight matrix for the kernels (raises ValueError if no kernel reads it in place)."""
     stored = getattr(module, "weight", None)
     if stored is not None and stored.device.type != "cpu":
         raise ValueError("weights are not on the CPU")
     bias = getattr(module, "bias", None)
     bias = None if bias is None else bias.detach().float().contiguous()
-    if isinstance(module, NativeInt4Linear):  # the blocks, read in place
-        weight, scales, fmt = module.weight, None, FORMAT_Q4
-    elif isinstance(module, Int4Linear):
-        if module.group_size != GROUP:
-            raise ValueError(f"int4 group size {module.group_size} (native kernels: {GROUP})")
-        weight = pack_int4_blocks(module.unpack_codes().cpu(), module.scales_and_zeros.cpu())
-        scales, fmt = None, FORMAT_Q4
-    elif isinstance(module, Int8Linear):
-        weight, scales, fmt = module.weight.contiguous(), module.scales.float().contiguous(), FORMAT_Q8_ROWS
-    elif isinstance(module, Int8GroupedLinear):
-        if module.group_size != GROUP:
-            raise ValueError(f"int8 group size {module.group_size} (native kernels: {GROUP})")
-        weight, scales, fmt = module.weight.contiguous(), module.scales.contiguous(), FORMAT_Q8_GROUPS
-    elif isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
-        weight, scales, fmt = module.weight.detach().contiguous(), None, FORMAT_F32
-    else:
-        raise ValueError(f"no native kernel for {type(module).__name__} ({getattr(module, 'weight', None)!r:.40})")
-    out_features, in_features = module.out_features, module.in_features
-    if fmt != FORMAT_F32 and in_features % GROUP:
-        raise ValueError(f"in_features {in_features} is not a multiple of {GROUP}")
-    keep = [t for t in (weight, scales, bias) if t is not None]
-    struct = HLLinear(fmt, int(bias is not None), out_features, in_features, weight.data_ptr(),
-                      0 if scales is None else scales.data_ptr(), 0 if bias is None else bias.data_ptr())
-    return LinearView(struct, keep)
+    keep = [] if bias is None else [bias]
+    if isinstance(module, (NativeQuantLinear, NativeInt4Linear)):  # their tiles, read in place
+        return LinearView(module.struct(bias), keep)
+    native_copy = native_module(module)  # PyTorch's int4/int8 layouts: the kernels' tiles of the same weights
+    if native_copy is not None:  # (build_native_steps holds a model's layers natively first: no copy there)
+        return LinearView(native_copy.struct(bias), [*native_copy.buffers(), *keep])
+    if isinstance(module, nn.Linear) and module.weight.dtype in _TORCH_FLOAT_FORMATS:
+        weight = module.weight.detach().contiguous()
+        struct = HLLinear(_TORCH_FLOAT_FORMATS[weight.dtype], int(bias is not None), module.out_features,
+                          module.in_features, weight.data_ptr(), 0, 0 if bias is None else bias.data_ptr())
+        return LinearView(struct, [weight, *keep])
+    raise ValueError(f"no native kernel for {type(module).__name__} ({getattr(module, 'weight', None)!r:.40})")
 
 
-def linear(view: LinearView, x: torch.Tensor, threads: int | None = None, library: ctypes.CDLL | None = None,
-           prefill: bool = False) -> torch.Tensor:
-    """``x`` (..., K) float32 through the kernel -> (..., N) float32: the decode product
-    (``hl_linear``: each weight block read once for all rows, batch-invariant), or with
-    ``prefill`` the prefill product (``hl_prefill_linear``: dequantized panels from a few rows on)."""
+@dataclass
+class ProjectionView:
+    """A projection of up to three matrices side by side (q, k, v; gate, up) as the kernels see it."""
+
+    struct: HLProjection
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+def projection_view(module: nn.Module) -> ProjectionView:
+    """A stacked matrix, or a ``ConcatLinear`` of up to three parts of any formats (a Q6_K v beside
+    Q4_K q and k), for the kernels."""
+    parts = list(module.parts) if isinstance(module, ConcatLinear) else [module]
+    if len(parts) > 3:
+        raise ValueError(f"a projection of {len(parts)} parts (the kernels take up to 3)")
+    views = [linear_view(part) for part in parts]
+    struct = HLProjection()
+    for i, view in enumerate(views):
+        struct.parts[i] = view.struct
+    struct.n_parts = len(views)
+    return ProjectionView(struct, [t for view in views for t in view.keep])
+
+
+def linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
+           library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``x`` (..., K) float32 through the kernels' product (``hl_linear``: each weight tile read
+    once for all rows; every row the same bits alone or in any batch) -> (..., N) float32."""
     rows = x.reshape(-1, view.struct.in_features).float().contiguous()  # (M, K)
     out = torch.empty(rows.shape[0], view.struct.out_features, dtype=torch.float32)  # (M, N)
     library = _declare(library) if library is not None else kernels()
-    product = library.hl_prefill_linear if prefill else library.hl_linear
-    product(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0], threads or torch.get_num_threads())
+    library.hl_linear(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0],
+                      threads or torch.get_num_threads())
     return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
-def prefill_linear(view: LinearView, x: torch.Tensor, threads: int | None = None,
-                   library: ctypes.CDLL | None = None) -> torch.Tensor:
-    """``linear`` through the prefill product."""
-    return linear(view, x, threads, library, prefill=True)
+def reference_linear(view: LinearView, x: torch.Tensor, library: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The same product through the portable reference kernel (one thread): what every vector and
+    tile kernel must equal bit for bit."""
+    rows = x.reshape(-1, view.struct.in_features).float().contiguous()  # (M, K)
+    out = torch.empty(rows.shape[0], view.struct.out_features, dtype=torch.float32)  # (M, N)
+    library = _declare(library) if library is not None else kernels()
+    library.hl_reference_linear(ctypes.byref(view.struct), rows.data_ptr(), out.data_ptr(), rows.shape[0])
+    return out.reshape(*x.shape[:-1], view.struct.out_features)
 
 
 # ---- threads -------------------------------------------------------------------------------
@@ -254,36 +272,47 @@ def rotary_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # ---- one decoder layer ---------------------------------------------------------------------
-class NativeDecodeLayer:
-    """A decoder layer's one-token step in one kernel call, reading the layer's weights in place."""
+def _norm_weight(norm: nn.Module) -> int:
+    """The address of a float32 CPU norm's weight (0 for ``nn.Identity``: no norm there)."""
+    if isinstance(norm, nn.Identity):
+        return 0
+    if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu":
+        raise ValueError("norms are not float32 RMSNorms on the CPU")
+    return norm.weight.data_ptr()
 
-    def __init__(self, layer: nn.Module, library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
+
+class NativeDecodeLayer:
+    """A decoder layer's step in one kernel call, reading the layer's weights in place: any family
+    of ``config.ARCHITECTURES`` (q/k norms, partial rotary and the layer's own rotary table, score
+    scale and soft-cap, QKV bias, SwiGLU or GeGLU, the Gemma block's norms)."""
+
+    def __init__(self, layer: nn.Module, config, n_rope_tables: int, library: ctypes.CDLL,
+                 team: DecodeTeam | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
-        if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
-            raise ValueError("q/k norm (Qwen3) has no native kernel")
-        if isinstance(layer, GemmaDecoderLayer) or type(mlp) is not SwiGLU:
-            raise ValueError("the Gemma block (GeGLU, norms around attention and the MLP) has no native kernel")
-        if attn.rotary_dim != attn.head_dim:
-            raise ValueError(f"partial rotary ({attn.rotary_dim} of {attn.head_dim} dimensions) has no native kernel")
-        if isinstance(attn.qkv_proj, ConcatLinear) or isinstance(mlp.gate_up_proj, ConcatLinear):
-            raise ValueError("projections are not stacked into one matrix")
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(w.dtype != torch.float32 or w.device.type != "cpu" for w in norms):
-            raise ValueError("norms are not float32 on the CPU")
-        views = [linear_view(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        owned = {t.data_ptr() for t in itertools.chain(layer.parameters(), layer.buffers())}
-        if any(view.struct.weight not in owned for view in views):  # (int8 row scales may be float32 copies)
-            raise ValueError("weights not held in the kernels' layout (e.g. int4 with groups other than 32)")
+        if type(mlp) not in (SwiGLU, GeGLU):
+            raise ValueError(f"no native kernel for the MLP {type(mlp).__name__}")
+        gemma = isinstance(layer, GemmaDecoderLayer)
+        mlp_norm = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+        norms = [_norm_weight(n) for n in (layer.input_layernorm, mlp_norm)]
+        post = [_norm_weight(n) for n in (layer.post_attention_layernorm, layer.post_feedforward_layernorm)] if gemma \
+            else [0, 0]
+        qk_norms = [_norm_weight(attn.q_norm), _norm_weight(attn.k_norm)]
+        self.views = [projection_view(attn.qkv_proj), linear_view(attn.o_proj), projection_view(mlp.gate_up_proj),
+                      linear_view(mlp.down_proj)]
         self.library = library
         self.team = team if team is not None else DecodeTeam(library)
         self.layer_idx = attn.layer_idx
+        scale = config.attention_scale
         self.struct = HLDecoderLayer(
-            views[0].struct, views[1].struct, views[2].struct, views[3].struct,
-            norms[0].data_ptr(), norms[1].data_ptr(), layer.input_layernorm.eps,
-            attn.n_heads, attn.n_kv_heads, attn.head_dim, norms[0].numel(), mlp.down_proj.in_features)
-        self._keep = [t for view in views for t in view.keep]
+            self.views[0].struct, self.views[1].struct, self.views[2].struct, self.views[3].struct,
+            norms[0], norms[1], post[0], post[1], qk_norms[0], qk_norms[1], layer.input_layernorm.eps,
+            attn.head_dim ** -0.5 if scale is None else scale, config.attn_logit_softcapping or 0.0,
+            ACT_GELU_TANH if type(mlp) is GeGLU else ACT_SILU, attn.n_heads, attn.n_kv_heads, attn.head_dim,
+            attn.rotary_dim, attn.rope_table, n_rope_tables, layer.input_layernorm.weight.numel(),
+            mlp.down_proj.in_features)
+        self._keep = [t for view in self.views for t in view.keep]
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              cache: KVCache | BatchedCaches) -> torch.Tensor:
@@ -309,10 +338,12 @@ class NativeDecodeLayer:
 
 
 class NativeHead:
-    """The output head's one-row product through ``hl_linear`` (other shapes: the module itself)."""
+    """The output head's product through ``hl_linear`` (soft-capped where the model caps its logits)."""
 
-    def __init__(self, head: nn.Module, library: ctypes.CDLL, team: DecodeTeam | None = None) -> None:
+    def __init__(self, head: nn.Module, softcap: float | None, library: ctypes.CDLL,
+                 team: DecodeTeam | None = None) -> None:
         self.view = linear_view(head)
+        self.softcap = softcap or 0.0
         self.library = library
         self.team = team if team is not None else DecodeTeam(library)
 
@@ -320,7 +351,8 @@ class NativeHead:
         return x.shape[:-1].numel() == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.view, x, self.team.threads(), library=self.library)
+        logits = linear(self.view, x, self.team.threads(), library=self.library)
+        return logits if not self.softcap else torch.tanh(logits / self.softcap) * self.softcap
 
 
 class NativeModel:
@@ -360,7 +392,8 @@ class NativeModel:
         cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
         self.library.hl_decode_model(self.structs, slots, n_layers, rows, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                      self.final_norm.weight.data_ptr(), self.final_norm.eps,
-                                     ctypes.byref(self.head.view.struct), logits.data_ptr(), self.team.threads())
+                                     ctypes.byref(self.head.view.struct), self.head.softcap, logits.data_ptr(),
+                                     self.team.threads())
         return logits
 
     def applies_prefill(self, input_ids: torch.Tensor, x: torch.Tensor, cache: KVCache | BatchedCaches) -> bool:
@@ -403,8 +436,8 @@ class NativeModel:
         cos, sin = rotary_rows(cos, rows), rotary_rows(sin, rows)
         self.library.hl_prefill_model(self.structs, slots, n_layers, segments, offsets.data_ptr(), x.data_ptr(),
                                       cos.data_ptr(), sin.data_ptr(), self.final_norm.weight.data_ptr(),
-                                      self.final_norm.eps, ctypes.byref(self.head.view.struct), logits.data_ptr(),
-                                      int(all_logits), self.team.threads())
+                                      self.final_norm.eps, ctypes.byref(self.head.view.struct), self.head.softcap,
+                                      logits.data_ptr(), int(all_logits), self.team.threads())
         return logits
 
 
@@ -432,37 +465,37 @@ class NativeSteps:
 
 
 def build_native_steps(model: nn.Module) -> NativeSteps:
-    """Native decode steps for every CPU-resident float32 layer (and the head) of ``model``.
+    """Native steps for every CPU-resident layer (and the head) of ``model``.
 
-    The kernels read one stacked q/k/v and gate/up matrix per layer (a ``ConcatLinear`` keeps
-    its PyTorch step). Once the kernels are built, the host int4 layers move into the kernels'
-    block layout (:func:`~hybridllm.kernels.native_linear.hold_int4_natively`: their one copy,
-    which prefill, decode and any other path read); nothing else in the model changes. Raises
-    :class:`KernelBuildError` when the kernels cannot be built (the model is then untouched);
-    layers the kernels do not support are listed in ``report.skipped`` and keep their PyTorch step.
+    Once the kernels are built, the host's int4 and int8 layers move into the kernels' formats
+    (:func:`~hybridllm.kernels.native_linear.hold_natively`: their one copy, which prefill, decode
+    and any other path read; layers loaded from a GGUF file's blocks are in them already);
+    nothing else in the model changes. Raises :class:`KernelBuildError` when the kernels cannot be
+    built (the model is then untouched); layers the kernels do not support are listed in
+    ``report.skipped`` and keep their PyTorch step.
     """
     loaded: LoadedLibrary = load_decode_library()
     library = _declare(loaded.library)
-    hold_int4_natively(model)
+    hold_natively(model)
     report = NativeReport(build_seconds=loaded.build_seconds)
     team = DecodeTeam(library)
+    config = model.config
+    n_rope_tables = model.rotary.inv_freq.shape[0]
     layers: dict[int, NativeDecodeLayer] = {}
     for layer in model.model.layers:
         if layer.input_layernorm.weight.device.type != "cpu":
             continue
         try:
-            native = NativeDecodeLayer(layer, library, team)
+            native = NativeDecodeLayer(layer, config, n_rope_tables, library, team)
         except ValueError as exc:
             report.skipped.append(f"layer {layer.self_attn.layer_idx}: {exc}")
             continue
         layers[native.layer_idx] = native
         report.layers += 1
     head = None
-    if model.config.final_logit_softcapping is not None:
-        report.skipped.append("head: soft-capped logits (Gemma 2) have no native kernel")
-    elif model.lm_head.weight.device.type == "cpu":
+    if model.lm_head.weight.device.type == "cpu":
         try:
-            head = NativeHead(model.lm_head, library, team)
+            head = NativeHead(model.lm_head, config.final_logit_softcapping, library, team)
             report.head = True
         except ValueError as exc:
             report.skipped.append(f"head: {exc}")
@@ -477,8 +510,8 @@ def build_native_steps(model: nn.Module) -> NativeSteps:
     return NativeSteps(layers, head, whole, report, team)
 
 
-__all__ = ["FORMAT_F32", "FORMAT_Q4", "FORMAT_Q8_GROUPS", "FORMAT_Q8_ROWS", "GROUP", "KV_DTYPES", "MAX_HEAD_DIM",
-           "Q4_ROWS", "DecodeTeam", "HLDecoderLayer", "HLLayerCache", "HLLinear", "KernelBuildError", "NativeDecodeLayer",
-           "NativeHead", "NativeInt4Linear", "NativeModel", "NativeReport", "NativeSteps", "attention",
-           "amx_tiles", "build_native_steps", "float32_view", "kernel_isa", "kernels", "linear", "linear_view", "pack_int4_blocks",
-           "prefill_attention", "prefill_linear", "row_caches", "unpack_int4_blocks"]
+__all__ = ["FORMAT_F32", "FORMAT_Q4", "GROUP", "KV_DTYPES", "MAX_HEAD_DIM", "Q4_ROWS", "DecodeTeam", "HLDecoderLayer",
+           "HLLayerCache", "HLLinear", "KernelBuildError", "NativeDecodeLayer", "NativeHead", "NativeInt4Linear",
+           "NativeModel", "NativeQuantLinear", "NativeReport", "NativeSteps", "amx_tiles", "attention",
+           "build_native_steps", "float32_view", "kernel_isa", "kernels", "linear", "linear_view", "pack_int4_blocks",
+           "prefill_attention", "projection_view", "reference_linear", "row_caches", "unpack_int4_blocks"]

@@ -2,20 +2,28 @@
 // keys before the chunk and the chunk's own, already written), flash-attention style; the chunks
 // of several sequences at once (segments).
 //
-// Included by decode.cpp (one translation unit): uses its HLLayerCache, vectors, exp_clamped,
-// to_float (float32 or float16 KV read as stored), Team.
-//
-// Work items are (block of QUERY_ROWS positions, KV head): the queries of every head sharing
-// the KV head at those positions (QUERY_ROWS x group vectors) go through the keys in blocks of
-// KEYS keys. Each key block is converted to float32 once per item, keys transposed (keys along
-// the vector lanes) and values as rows; every query vector's scores for the block are then lanes
-// of a few registers (tiles of SCORE_QUERIES query vectors x SCORE_VECS key vectors), the softmax
-// runs online (running max and sum per query vector), and the values are accumulated in tiles of
-// VALUE_QUERIES query vectors x VALUE_VECS output vectors held in registers. Each key and value
-// row is read from the cache once per item instead of once per query. Items go to the threads
-// round-robin (later positions attend to more keys). Float32 arithmetic; the results depend on
-// T and the positions only (not on the team size).
+// Self-contained. Work items are (block of QUERY_ROWS positions, KV head): the queries of every
+// head sharing the KV head at those positions (QUERY_ROWS x group vectors) go through the keys in
+// blocks of KEYS keys. Each key block is converted to float32 once per item, keys transposed
+// (keys along the vector lanes) and values as rows; every query vector's scores for the block are
+// then lanes of a few registers (tiles of SCORE_QUERIES query vectors x SCORE_VECS key vectors),
+// the softmax runs online (running max and sum per query vector), and the values are accumulated
+// in tiles of VALUE_QUERIES query vectors x VALUE_VECS output vectors held in registers. Each key
+// and value row is read from the cache once per item instead of once per query. Items go to the
+// threads round-robin (later positions attend to more keys). Float32 arithmetic; the results
+// depend on T and the positions only (not on the team size).
+#pragma once
 
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "abi.h"
+#include "attention.h"
+#include "common.h"
+#include "thread_team.h"
+
+namespace hl {
 namespace prefill {
 
 #if defined(__AVX512F__)
@@ -69,6 +77,27 @@ inline float lanes_max(const float* p) {
   float out = best[0];
   for (int i = 1; i < ALANES; ++i) out = std::max(out, best[i]);
   return out;
+}
+
+// 8 rows of 8 floats -> their 8 columns (r[i][c] -> c[c][i]), by shuffles.
+typedef float f32x8t __attribute__((vector_size(32)));
+typedef int32_t i32x8t __attribute__((vector_size(32)));
+inline void transpose8(f32x8t r[8]) {
+  f32x8t t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // interleave row pairs
+    t[i] = __builtin_shuffle(r[i], r[i + 1], i32x8t{0, 8, 1, 9, 4, 12, 5, 13});
+    t[i + 1] = __builtin_shuffle(r[i], r[i + 1], i32x8t{2, 10, 3, 11, 6, 14, 7, 15});
+  }
+  for (int i = 0; i < 8; i += 4) {  // pairs of pairs: columns (c, c + 4) of 4 rows
+    u[i] = __builtin_shuffle(t[i], t[i + 2], i32x8t{0, 1, 8, 9, 4, 5, 12, 13});
+    u[i + 1] = __builtin_shuffle(t[i], t[i + 2], i32x8t{2, 3, 10, 11, 6, 7, 14, 15});
+    u[i + 2] = __builtin_shuffle(t[i + 1], t[i + 3], i32x8t{0, 1, 8, 9, 4, 5, 12, 13});
+    u[i + 3] = __builtin_shuffle(t[i + 1], t[i + 3], i32x8t{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  for (int c = 0; c < 4; ++c) {  // halves of rows 0-3 and 4-7
+    r[c] = __builtin_shuffle(u[c], u[c + 4], i32x8t{0, 1, 2, 3, 8, 9, 10, 11});
+    r[c + 4] = __builtin_shuffle(u[c], u[c + 4], i32x8t{4, 5, 6, 7, 12, 13, 14, 15});
+  }
 }
 
 // A key block's n_keys rows in float32: keys transposed into keys_t (d, KEYS) (zero past
@@ -140,7 +169,7 @@ void score_queries(const float* q, const float* keys_t, int64_t d, float* scores
 }
 
 // All `vectors` query vectors' scores for one key block.
-void score_block(int64_t vectors, const float* q, const float* keys_t, int64_t d, float* scores) {
+inline void score_block(int64_t vectors, const float* q, const float* keys_t, int64_t d, float* scores) {
   int64_t v = 0;
   for (; v + SCORE_QUERIES <= vectors; v += SCORE_QUERIES)
     score_queries<SCORE_QUERIES>(q + v * d, keys_t, d, scores + v * KEYS);
@@ -168,7 +197,7 @@ void accumulate_tile(const float* p, const float* rescale, const float* values, 
 }
 
 // The same for output columns [i0, d) one at a time (head sizes that are not whole vectors).
-void accumulate_tail(const float* p, float rescale, const float* values, int64_t n_keys, int64_t d, int64_t i0,
+inline void accumulate_tail(const float* p, float rescale, const float* values, int64_t n_keys, int64_t d, int64_t i0,
                      float* out) {
   for (int64_t i = i0; i < d; ++i) {
     float acc = out[i] * rescale;
@@ -189,7 +218,7 @@ void accumulate_queries(const float* p, const float* rescale, const float* value
 }
 
 // Every query vector's outputs for one key block (p: the block's softmax weights).
-void accumulate_block(int64_t vectors, const float* p, const float* rescale, const float* values, int64_t n_keys,
+inline void accumulate_block(int64_t vectors, const float* p, const float* rescale, const float* values, int64_t n_keys,
                       int64_t d, float* out) {
   int64_t v = 0;
   for (; v + VALUE_QUERIES <= vectors; v += VALUE_QUERIES)
@@ -202,10 +231,11 @@ void accumulate_block(int64_t vectors, const float* p, const float* rescale, con
 // position; out: (rows, H, D).
 template <typename T>
 void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache, int64_t r0, int64_t r1,
-                    int64_t kv_head, int group, int64_t d, float* out, int64_t n_heads, AttentionScratch& s) {
+                    int64_t kv_head, int group, int64_t d, const ScoreOptions& options, float* out, int64_t n_heads,
+                    AttentionScratch& s) {
   const int64_t vectors = (r1 - r0) * group;
   s.reserve(vectors, d);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float scale = options.scale;
   for (int64_t r = r0; r < r1; ++r)
     for (int g = 0; g < group; ++g) {
       const float* src = q + r * q_stride + (kv_head * group + g) * d;
@@ -227,6 +257,7 @@ void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache,
     const int64_t n_keys = std::min<int64_t>(KEYS, k_end - k0);
     convert_block(keys + k0 * d, values + k0 * d, n_keys, d, s.keys_t.data(), s.values.data());
     score_block(vectors, s.q.data(), s.keys_t.data(), d, s.scores.data());
+    if (options.softcap > 0.0f) softcap_scores(s.scores.data(), vectors * KEYS, options.softcap);
     for (int64_t v = 0; v < vectors; ++v) {  // mask, online softmax: p = exp(score - new max), rescale the past
       const int64_t r = r0 + v / group;
       const int64_t lo = std::max<int64_t>(first_key(r) - k0, 0), hi = std::min<int64_t>(cache.start + r + 1 - k0, n_keys);
@@ -275,9 +306,9 @@ void attention_item(const float* q, int64_t q_stride, const HLLayerCache& cache,
 // cache is caches[s] (start = the segment's first position) -> out (rows, H, D). Work items
 // (segment, block of query rows, KV head) go to the threads round-robin; a row's result depends
 // on its segment's positions only.
-void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
-                    const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t head_dim,
-                    float* out) {
+inline void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
+                           const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t head_dim,
+                           const ScoreOptions& options, float* out) {
   thread_local AttentionScratch scratch;
   const int group = n_heads / n_kv_heads;
   int64_t first_item = 0;  // of segment s
@@ -291,9 +322,11 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
       const int64_t block = (item - first_item) / n_kv_heads, kv_head = (item - first_item) % n_kv_heads;
       const int64_t r0 = block * QUERY_ROWS, r1 = std::min(rows, r0 + QUERY_ROWS);
       if (caches[s].kv_dtype == KV_F16)
-        attention_item<uint16_t>(q_s, q_stride, caches[s], r0, r1, kv_head, group, head_dim, out_s, n_heads, scratch);
+        attention_item<uint16_t>(q_s, q_stride, caches[s], r0, r1, kv_head, group, head_dim, options, out_s,
+                                  n_heads, scratch);
       else
-        attention_item<float>(q_s, q_stride, caches[s], r0, r1, kv_head, group, head_dim, out_s, n_heads, scratch);
+        attention_item<float>(q_s, q_stride, caches[s], r0, r1, kv_head, group, head_dim, options, out_s, n_heads,
+                               scratch);
     }
     first_item += items;
   }
@@ -301,3 +334,4 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
 }
 
 }  // namespace prefill
+}  // namespace hl

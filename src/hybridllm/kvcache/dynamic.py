@@ -86,8 +86,7 @@ class DynamicCache(KVCache):
     def _serves_in_place(self, layer_idx: int) -> bool:
         spec = self.spec
         return (self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
-                and self.kv_dtype in (torch.float32, torch.float16)  # what the native kernels read
-                and spec.layer_options(layer_idx).plain_scores)  # the native kernel: plain or windowed
+                and self.kv_dtype in (torch.float32, torch.float16))  # what the native kernels read
 
     def supports_in_place(self, layer_idx: int) -> bool:
         return layer_idx in self._in_place

@@ -14,10 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from hybridllm.loading.quantized_loader import load_quantized_model
+from hybridllm.loading.quantized_loader import HostLayout, load_quantized_model
 from hybridllm.loading.skeleton import HEAD, assemble, load_tensors, prepare_skeleton, progress
 from hybridllm.models.llama import LlamaForCausalLM
-from hybridllm.models.quantized import Int4Linear
 from hybridllm.timing import ColdStart, synchronize
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -31,7 +30,7 @@ def load_model(
     show_progress: bool | None = None,
     weights: str = "float",
     fuse: bool = True,
-    int4_layout: type[Int4Linear] = Int4Linear,
+    host_layout: HostLayout | None = None,
 ) -> LlamaForCausalLM:
     """Build the model of ``checkpoint`` with every parameter on ``device_for(name)`` in ``dtype``.
 
@@ -45,12 +44,13 @@ def load_model(
             matrices quantized (see ``hybridllm.loading.quantized_loader``).
         fuse: stack q/k/v and gate/up into one matrix each; False keeps the parts separate
             (the same layout, one kernel per part: ``hybridllm.models.fuse.ConcatLinear``).
-        int4_layout: the class of int4 layers on the CPU (``Int4Linear``: PyTorch's packed layout;
-            the runtime passes the native kernels' ``NativeInt4Linear`` when they decode).
+        host_layout: how host weights are held when a kernel library reads them in place (the
+            runtime passes the native kernels' layout when they run the host's layers; None:
+            PyTorch's modules). See ``hybridllm.loading.quantized_loader.HostLayout``.
     """
     if weights != "float":
         return load_quantized_model(checkpoint, dtype, device_for, cold_start, show_progress, weights, fuse,
-                                    int4_layout)
+                                    host_layout)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
     skeleton = prepare_skeleton(checkpoint, show_progress)

@@ -30,6 +30,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from hybridllm.models.quantized import (
     Int8GroupedLinear,
     Int8Linear,
     check_weights_mode,
+    PackedEmbedding,
     int4_unsupported_reason,
     int8_unsupported_reason,
     kernel_dtype_for,
@@ -117,6 +119,20 @@ def plan_formats(weights: str, types: dict[str, str], stacks: list[tuple[str, ..
     return formats
 
 
+class HostLayout(Protocol):
+    """How host (CPU) weights are held when a kernel library reads them in place (the runtime
+    passes the native kernels' ``NATIVE_LAYOUT``): its int4 class, and the GGUF types it keeps in
+    the file's own format (``holds``), built from a tensor's raw rows ((N, bytes per row) uint8)."""
+
+    int4_class: type[Int4Linear]
+
+    def holds(self, type_name: str, in_features: int) -> bool: ...
+
+    def linear(self, type_name: str, rows: torch.Tensor, in_features: int) -> nn.Module: ...
+
+    def embedding(self, type_name: str, rows: torch.Tensor, in_features: int, out_dtype: torch.dtype) -> nn.Module: ...
+
+
 def load_quantized_model(
     checkpoint,
     dtype: torch.dtype,
@@ -125,11 +141,14 @@ def load_quantized_model(
     show_progress: bool | None = None,
     weights: str = "auto",
     fuse: bool = True,
-    int4_layout: type[Int4Linear] = Int4Linear,
+    host_layout: HostLayout | None = None,
 ) -> LlamaForCausalLM:
-    """Like :func:`hybridllm.loading.loader.load_model`, with weights kept quantized per ``weights``;
-    int4 matrices on the CPU are built as ``int4_layout`` (an ``Int4Linear`` class: PyTorch's packed
-    layout, or the native kernels' blocks), matrices on other devices as ``Int4Linear``."""
+    """Like :func:`hybridllm.loading.loader.load_model`, with weights kept quantized per ``weights``.
+
+    With a ``host_layout`` (the native kernels run the host's layers), under ``auto`` every host
+    matrix and embedding of a GGUF type it ``holds`` is built in that type as the file stores it
+    (a tied head shares the embedding's table), and host int4 matrices as its ``int4_class``;
+    matrices on other devices, and everything without a host layout, as below."""
     check_weights_mode(weights)
     cold_start = cold_start if cold_start is not None else ColdStart()
     config = checkpoint.config
@@ -151,8 +170,11 @@ def load_quantized_model(
             device = device_for(param_name)
             type_name, fmt = types[param_name], formats[param_name]
             module = None
-            if fmt != "float":
-                int4 = int4_layout if device.type == "cpu" else Int4Linear
+            host = host_layout if device.type == "cpu" else None
+            if host is not None and weights == "auto" and _held_in_place(checkpoint, file_name, param_name, host):
+                module = _build_in_place(checkpoint, file_name, param_name, raw, type_name, dtype, host)
+            elif fmt != "float":
+                int4 = host.int4_class if host is not None else Int4Linear
                 module, why = _build(checkpoint, file_name, param_name, raw, fmt, type_name, dtype, device, int4)
                 if module is None:
                     fallbacks[(f"{fmt} ({why})", type_name)] += 1
@@ -180,13 +202,14 @@ def load_quantized_model(
     model = skeleton.model
     assemble(model, state, modules, fuse)
     embed = model.model.embed_tokens
+    packed_table = isinstance(embed, (Int8Embedding, PackedEmbedding))
     if config.tie_word_embeddings:
-        if isinstance(embed, Int8Embedding):
+        if packed_table:
             model.lm_head = embed.tied_head()
         else:
             state[HEAD] = state[EMBEDDING]
     load_tensors(model, state)
-    if config.tie_word_embeddings and not isinstance(embed, Int8Embedding):
+    if config.tie_word_embeddings and not packed_table:
         model.lm_head.weight = model.model.embed_tokens.weight
     release_load_scratch(checkpoint)
     return model
@@ -232,6 +255,24 @@ def _raw_rows(checkpoint, file_name: str, raw) -> torch.Tensor | None:
         elif file_name.endswith("attn_k.weight"):
             rows = unpermute_rows(rows, checkpoint.config.n_kv_heads).contiguous()
     return rows
+
+
+def _held_in_place(checkpoint, file_name: str, param_name: str, host: HostLayout) -> bool:
+    """Whether a GGUF matrix or embedding is held by ``host`` in the file's own type (float32
+    tensors stay float32 ``nn`` modules, as the float path builds them)."""
+    if getattr(checkpoint, "file_format", None) != "gguf" or not (_is_linear_weight(param_name) or param_name == EMBEDDING):
+        return False
+    info = checkpoint.tensors[file_name]
+    return info.type_name != "F32" and host.holds(info.type_name, int(info.shape[-1]))
+
+
+def _build_in_place(checkpoint, file_name: str, param_name: str, raw, type_name: str, dtype: torch.dtype,
+                    host: HostLayout) -> nn.Module:
+    rows = _raw_rows(checkpoint, file_name, raw)
+    in_features = int(checkpoint.tensors[file_name].shape[-1])
+    if param_name == EMBEDDING:
+        return host.embedding(type_name, rows, in_features, dtype)
+    return host.linear(type_name, rows, in_features)
 
 
 def _float_matrix(checkpoint, file_name: str, raw, rows: torch.Tensor | None) -> torch.Tensor:

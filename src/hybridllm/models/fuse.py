@@ -15,6 +15,8 @@ input (:func:`stack_projections`), turning 5 calls per layer into 2 with the sam
 - :class:`~hybridllm.models.quantized.Int8Linear`: codes and per-row scales are concatenated.
 - :class:`~hybridllm.models.quantized.Int8GroupedLinear`: codes and group scales are
   concatenated along the output axis of their group-major slabs.
+- :class:`~hybridllm.models.quantized.PackedLinear` (a kernel's own format, e.g. the native
+  kernels' GGUF tiles): its class's ``concat`` (same format, whole tiles of rows).
 
 Parts that cannot be stacked (different types or kernel settings, e.g. a Q6_K ``v_proj`` in a
 Q4_K_M file), or a load asked not to (``fuse=False``), become a :class:`ConcatLinear`: the same
@@ -26,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
+from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear, PackedLinear
 
 
 class ConcatLinear(nn.Module):
@@ -66,6 +68,8 @@ def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
         return _concat_int8(parts)
     if kind is Int8GroupedLinear:
         return _concat_int8_groups(parts)
+    if issubclass(kind, PackedLinear):  # a kernel's own format: its class knows when its parts stack
+        return kind.concat(parts)
     return None
 
 

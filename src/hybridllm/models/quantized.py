@@ -521,6 +521,42 @@ class Int8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, out_dtype={self.out_dtype}"
 
 
+class PackedLinear(nn.Module):
+    """A linear layer whose weight stays in a kernel's own packed format: a GGUF type as the file
+    holds it (``Q4_K``, ``Q6_K`` ...), or the engine's int8 in a kernel's layout. What the engine
+    asks of any such layer, whatever computes it (``hybridllm.kernels.native_linear``):
+    ``format_name``, ``in_features``, ``out_features``, ``bias``, ``dequantize()`` (the float32
+    weight it computes with: the reference of its numerics) and :meth:`concat` (parts stacked
+    into one matrix, or None)."""
+
+    format_name: str
+    in_features: int
+    out_features: int
+
+    @property
+    def weights_name(self) -> str:
+        """What ``weights_format`` calls this format ("q4_k", "int8", ...)."""
+        return self.format_name.lower()
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def concat(cls, parts: list[nn.Module]) -> nn.Module | None:
+        return None
+
+
+class PackedEmbedding(nn.Module):
+    """A token embedding whose table stays packed (lookups dequantize the rows they read); a tied
+    head is the same table (:meth:`tied_head`)."""
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tied_head(self) -> PackedLinear:
+        raise NotImplementedError
+
+
 # ---- the model transform and its summary ------------------------------------------------
 def module_format(module: nn.Module) -> str:
     """"int4", "int8", or the float dtype's name ("float32") of a linear/embedding module."""
@@ -528,6 +564,8 @@ def module_format(module: nn.Module) -> str:
         return "int4"
     if isinstance(module, (Int8Linear, Int8GroupedLinear, Int8Embedding)):
         return "int8"
+    if isinstance(module, PackedLinear):
+        return module.weights_name
     return str(module.weight.dtype).removeprefix("torch.")
 
 
@@ -539,7 +577,7 @@ def weights_format(model: nn.Module) -> str:
     counts: dict[str, int] = {}
     for layer in model.model.layers:
         for module in layer.modules():
-            if isinstance(module, (nn.Linear, Int4Linear, Int8Linear, Int8GroupedLinear)):
+            if isinstance(module, (nn.Linear, Int4Linear, Int8Linear, Int8GroupedLinear, PackedLinear)):
                 fmt = module_format(module)
                 counts[fmt] = counts.get(fmt, 0) + 1
     return "+".join(sorted(counts, key=lambda f: -counts[f])) or "float32"
@@ -579,9 +617,9 @@ def dequantize_model(model: nn.Module) -> nn.Module:
     the quantized kernels' numerics are measured against."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, Int8Embedding):
+            if isinstance(child, (Int8Embedding, PackedEmbedding)):
                 setattr(parent, name, nn.Embedding.from_pretrained(child.dequantize().float()))
-            elif isinstance(child, (Int4Linear, Int8Linear, Int8GroupedLinear)):
+            elif isinstance(child, (Int4Linear, Int8Linear, Int8GroupedLinear, PackedLinear)):
                 linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
                 linear.weight = nn.Parameter(child.dequantize().float(), requires_grad=False)
                 if child.bias is not None:

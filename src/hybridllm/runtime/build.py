@@ -31,8 +31,8 @@ from hybridllm.kvcache.factory import check_attention_options
 from hybridllm.loading.loader import load_model
 from hybridllm.kernels.abi import kernels
 from hybridllm.kernels.build import KernelBuildError
-from hybridllm.kernels.native_linear import NativeInt4Linear
-from hybridllm.models.quantized import Int4Linear, check_weights_mode, weights_format
+from hybridllm.kernels.native_linear import NATIVE_LAYOUT, NativeHostLayout
+from hybridllm.models.quantized import check_weights_mode, weights_format
 from hybridllm.placement.apply import (
     TierDevices,
     all_on_host,
@@ -121,7 +121,7 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     devices = TierDevices(engine_config.torch_device)
     model = load_model(checkpoint, engine_config.torch_dtype, weight_device_for(placement, devices), cold_start,
                        options.show_progress, weights=placement.weights, fuse=options.fuse,
-                       int4_layout=host_int4_layout(choose_backend(options.decode_backend, placement, devices)))
+                       host_layout=host_layout(choose_backend(options.decode_backend, placement, devices)))
     place_tied_head(model, placement, devices)
     runner = build_runner(model, placement, devices, options.decode_backend)
     cold_start.compile_s = runner.report.seconds
@@ -155,17 +155,18 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     return runtime
 
 
-def host_int4_layout(backend: str) -> type[Int4Linear]:
-    """The class the host's int4 layers load as: the native kernels' blocks when the native
-    backend runs and its kernels build (their one copy, read by prefill and decode), else
-    PyTorch's packed layout (``build_runner`` then says why native decode is off)."""
+def host_layout(backend: str) -> NativeHostLayout | None:
+    """How the host's weights load: in the native kernels' formats when the native backend runs
+    and its kernels build (every GGUF type they read kept as the file stores it, int4 in their
+    tiles: the one copy prefill and decode read), else PyTorch's modules (None; ``build_runner``
+    then says why native decode is off)."""
     if backend != "native":
-        return Int4Linear
+        return None
     try:
         kernels()
     except KernelBuildError:
-        return Int4Linear
-    return NativeInt4Linear
+        return None
+    return NATIVE_LAYOUT
 
 
 def warm_up(runtime: Runtime) -> None:

@@ -1,0 +1,276 @@
+// What every kernel header shares: the instruction sets the build targets, vector types and
+// their loads, exp on vectors, float16 / bfloat16 conversions, and the phase timers.
+//
+// Self-contained (compiles on its own: tests/test_kernel_headers.py); everything below lives in
+// namespace hl. Nothing here holds state but the profiling counters (built with -DHL_PROFILE only).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX__) || defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// The instruction sets the kernels are built for (what -march gave).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
+#define HL_AVX512_VNNI 1  // 512-bit integer dots (dots_avx512.h)
+#else
+#define HL_AVX512_VNNI 0
+#endif
+#if !HL_AVX512_VNNI && defined(__AVX2__) && defined(__FMA__)
+#define HL_AVX2 1  // 256-bit integer dots (dots_avx2.h), vpdpbusd where the CPU has AVX-VNNI
+#else
+#define HL_AVX2 0
+#endif
+#if HL_AVX512_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__) && defined(__x86_64__)
+#define HL_AMX 1  // tile multiplies (dots_amx.h)
+#else
+#define HL_AMX 0
+#endif
+
+namespace hl {
+
+constexpr int64_t GROUP = 32;  // inputs per quantization group: each group's integer dot is exact
+constexpr int64_t TILE_ROWS = 16;  // weight rows per tile of every quantized type (qtypes.h)
+
+// ---- vectors ------------------------------------------------------------------------------
+// GCC/Clang vector extensions: one source that the compiler lowers to the registers -march
+// offers. The float loops of attention and float32 weights run on LANES = 8 floats: one AVX2
+// register (GCC lowers 16-float vectors on AVX2 through the stack, element by element), and on
+// AVX-512 machines measured as fast as 16.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+constexpr int LANES = 8;
+typedef float f32xL __attribute__((vector_size(LANES * 4)));
+
+// Vectors of the row-wise float loops that need no AVX2 fallback shape (the one-row attention,
+// activations): 16 floats on AVX-512, else LANES. Every lane does the same operations either way.
+#if defined(__AVX512F__)
+constexpr int WLANES = 16;
+#else
+constexpr int WLANES = LANES;
+#endif
+typedef float f32xW __attribute__((vector_size(WLANES * 4)));
+
+template <typename V, typename T>
+inline V load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+inline void store(float* p, const V& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// a * b + c on every lane with one rounding (a fused multiply-add written out, never left to the
+// compiler's contraction, which may differ between two loops computing the same value).
+inline f32xL fma_lanes(f32xL a, f32xL b, f32xL c) {
+#if defined(__FMA__)
+  __m256 r = _mm256_fmadd_ps(load<__m256>(&a), load<__m256>(&b), load<__m256>(&c));
+  return load<f32xL>(&r);
+#else
+  for (int i = 0; i < LANES; ++i) c[i] = std::fma(a[i], b[i], c[i]);
+  return c;
+#endif
+}
+
+inline float sum_lanes(f32xL v) {
+  f32x4 a, b;
+  std::memcpy(&a, &v, 16);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + 16, 16);
+  const f32x4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+inline float sum_wide(f32xW v) {
+  float s[WLANES];
+  std::memcpy(s, &v, sizeof v);
+  for (int width = WLANES / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) s[i] += s[i + width];
+  return s[0];
+}
+
+// exp(x) on every lane of a float vector V: Cephes' single-precision polynomial (relative error
+// ~1e-7), x clamped to [-87, 87] (exp(-87) ~ 1.6e-38 stands for 0); branch-free, floor taken as
+// truncation corrected where it rounded up.
+template <typename V>
+inline V exp_vector(V x) {
+  typedef int32_t I __attribute__((vector_size(sizeof(V))));
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 87.0f ? V{} + 87.0f : x;
+  const V y = x * 1.44269504088896341f + 0.5f;
+  I n = __builtin_convertvector(y, I);
+  n += static_cast<I>(__builtin_convertvector(n, V) > y);  // -1 where truncation rounded up
+  const V nf = __builtin_convertvector(n, V);
+  const V r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I bits = (n + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// The same for one value (a vector of one lane: the very same operations).
+inline float exp_clamped(float x) {
+  typedef float f32x1 __attribute__((vector_size(4)));
+  return exp_vector(f32x1{x})[0];
+}
+
+// tanh(x) = 1 - 2 / (exp(2x) + 1) on every lane (saturates at +-1 through exp's clamp).
+template <typename V>
+inline V tanh_vector(V x) {
+  return 1.0f - 2.0f / (exp_vector(x + x) + 1.0f);
+}
+
+inline float tanh_clamped(float x) { return 1.0f - 2.0f / (exp_clamped(x + x) + 1.0f); }
+
+// ---- 16-bit floats --------------------------------------------------------------------------
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// IEEE half -> float32 (exact).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000 | (mantissa << 13);  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// float32 -> IEEE half, round to nearest even (as PyTorch's .to(float16)).
+inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t abs = x & 0x7FFFFFFF;
+  if (abs >= 0x7F800000) return static_cast<uint16_t>(sign | 0x7C00 | (abs > 0x7F800000 ? 0x200 : 0));
+  if (abs >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds to infinity
+  if (abs < 0x38800000) {  // subnormal half (or zero): round abs / 2^-24 to nearest even
+    float scaled;
+    const uint32_t abs_bits = abs;
+    std::memcpy(&scaled, &abs_bits, sizeof scaled);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled * 16777216.0f)));
+  }
+  const uint32_t rounded = abs + 0xFFF + ((abs >> 13) & 1) - (112u << 23);  // rebias, round to nearest even
+  return static_cast<uint16_t>(sign | (rounded >> 13));
+#endif
+}
+
+// The 16-bit element types a buffer may hold (KV caches, float weights), as tags for overloads.
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t h) { return half_to_float(h); }  // float16 KV rows
+inline float to_float(Half h) { return half_to_float(h.bits); }
+inline float to_float(BFloat16 b) { return bf16_to_float(b.bits); }
+
+// LANES consecutive values of any element type as float32.
+inline f32xL load_lanes(const float* p) { return load<f32xL>(p); }
+
+inline f32xL load_lanes(const uint16_t* p) {
+#if defined(__F16C__)
+  const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return load<f32xL>(&wide);
+#else
+  f32xL v;
+  for (int i = 0; i < LANES; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+
+inline f32xL load_lanes(const Half* p) { return load_lanes(reinterpret_cast<const uint16_t*>(p)); }
+
+inline f32xL load_lanes(const BFloat16* p) {
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return load<f32xL>(&wide);
+#else
+  f32xL v;
+  for (int i = 0; i < LANES; ++i) v[i] = bf16_to_float(p[i].bits);
+  return v;
+#endif
+}
+
+inline f32xW load_wide(const float* p) { return load<f32xW>(p); }
+
+inline f32xW load_wide(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return load<f32xW>(&wide);
+#else
+  return load_lanes(p);
+#endif
+}
+
+// ---- phase timers (built only with -DHL_PROFILE, by tools/profile_decode.py) ------------------
+enum Phase { BETWEEN_STEPS, NORM, QKV, ROPE_KV, ATTENTION, O_PROJ, RESIDUAL_NORM, GATE_UP, SILU, DOWN, RESIDUAL,
+             FINAL_NORM, HEAD, N_PHASES };
+#ifdef HL_PROFILE
+inline double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+inline double phase_seconds[N_PHASES];  // accumulated by thread 0 (the others wait at the same barriers)
+inline double phase_mark = 0.0;
+#define PHASE_END(team, phase)                                        \
+  do {                                                                \
+    if ((team).thread == 0) {                                         \
+      const double now = ::hl::seconds_now();                         \
+      if (::hl::phase_mark > 0.0) ::hl::phase_seconds[phase] += now - ::hl::phase_mark; \
+      ::hl::phase_mark = now;                                         \
+    }                                                                 \
+  } while (0)
+#else
+#define PHASE_END(team, phase) \
+  do {                         \
+  } while (0)
+#endif
+
+}  // namespace hl

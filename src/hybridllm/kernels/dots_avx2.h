@@ -1,0 +1,213 @@
+// The tiled formats' products on 256-bit registers (AVX2 + FMA): each tile row block in two
+// halves of 8 weight rows, every lane the operations of the 512-bit kernel's lane and of
+// dots_reference.h (the same bits). Integer dots by vpdpbusd where the CPU has AVX-VNNI, else
+// vpmaddubsw + vpmaddwd: those saturate past 2^15 per pair, so codes that use all 8 bits (int8,
+// IQ4) are taken as signed magnitudes (|w| . sign(x, w): |w| <= 128) and the rest (<= 63) as
+// they are; either way the same exact integers.
+//
+// Self-contained; its contents exist only in AVX2 builds without AVX-512 VNNI (HL_AVX2).
+#pragma once
+
+#include <cstdint>
+
+#include "activations.h"
+#include "common.h"
+#include "qtypes.h"
+
+#if HL_AVX2
+namespace hl {
+namespace avx2 {
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool VNNI = true;
+inline __m256i dot_accumulate(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, a, b);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, a, b);
+#endif
+}
+#else
+constexpr bool VNNI = false;
+// 8 lanes, each acc + the sum of 4 products of unsigned bytes a and signed bytes b (|a b| 2 < 2^15).
+inline __m256i dot_accumulate(__m256i acc, __m256i a, __m256i b) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+#endif
+
+// Whether format F's dots run on signed magnitudes here (8-bit codes without VNNI).
+template <int32_t F>
+constexpr bool signed_codes() {
+  return !VNNI && layout_of(F).wide();
+}
+
+// Half h (rows 8h .. 8h + 7) of a group's 8 quads: unsigned codes, or for signed_codes<F> the
+// signed values w = u - offset.
+template <int32_t F>
+inline void unpack_quads(const uint8_t* codes, int half, __m256i q[8]) {
+  constexpr TypeLayout T = layout_of(F);
+  auto load = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (T.codes == Codes::BYTES) {
+    for (int i = 0; i < 8; ++i) {
+      q[i] = load(codes + 64 * i + 32 * half);
+      if constexpr (signed_codes<F>()) q[i] = _mm256_xor_si256(q[i], _mm256_set1_epi8(static_cast<char>(0x80)));
+    }
+  } else {
+    constexpr int planes = T.codes == Codes::NIBBLES_1PLANE ? 1 : T.codes == Codes::NIBBLES_2PLANES ? 2 : 0;
+    const uint8_t* nibbles = codes + planes * PLANE_BYTES;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i c = load(nibbles + 64 * j + 32 * half);
+      q[j] = _mm256_and_si256(c, low);
+      q[j + 4] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+    }
+    if constexpr (T.codes == Codes::IQ4) {
+      alignas(16) uint8_t table[16];
+      for (int i = 0; i < 16; ++i)
+        table[i] = static_cast<uint8_t>(signed_codes<F>() ? IQ4_VALUES[i] : IQ4_VALUES[i] + 128);
+      const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+      for (int i = 0; i < 8; ++i) q[i] = _mm256_shuffle_epi8(lut, q[i]);
+    }
+    for (int p = 0; p < planes; ++p) {
+      const __m256i plane = load(codes + p * PLANE_BYTES + 32 * half);
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << p));
+      for (int i = 0; i < 8; ++i) {
+        const __m256i flag = _mm256_set1_epi8(static_cast<char>(1 << i));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(plane, flag), flag);
+        q[i] = _mm256_or_si256(q[i], _mm256_and_si256(set, bit));
+      }
+    }
+  }
+}
+
+inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline __m256 bf16x8(const uint8_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline __m128i bytes8(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm_cvtsi64_si128(v);
+}
+
+inline __m256 u8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(p))); }
+inline __m256 i8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(p))); }
+
+inline __m256 negate(__m256 v) { return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
+
+struct Scales8 {
+  __m256 scale, scale_b, min;
+};
+
+// Rows 8h .. 8h + 7's scale(s) and min of group gi of a tile.
+template <int32_t F>
+inline Scales8 group_scales(const uint8_t* tile, int64_t gi, int half) {
+  constexpr TypeLayout T = layout_of(F);
+  const int64_t r = 8 * half;
+  const __m256 zero = _mm256_setzero_ps();
+  if constexpr (T.scales == Scales::Q4_ENGINE) {
+    const __m256 scale = bf16x8(tile + 2 * r);
+    return {scale, zero, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, bf16x8(tile + 32 + 2 * r))};
+  } else if constexpr (T.scales == Scales::F16) {
+    return {f16x8(tile + 2 * r), zero, zero};
+  } else if constexpr (T.scales == Scales::F16_MIN) {
+    return {f16x8(tile + 2 * r), zero, f16x8(tile + 32 + 2 * r)};
+  } else if constexpr (T.scales == Scales::F32) {
+    return {_mm256_loadu_ps(reinterpret_cast<const float*>(tile) + r), zero, zero};
+  } else if constexpr (T.scales == Scales::ROW) {
+    return {_mm256_set1_ps(1.0f), zero, zero};
+  } else if constexpr (T.scales == Scales::K_SCALE_MIN) {
+    return {_mm256_mul_ps(f16x8(tile + 2 * r), u8x8(tile + 64 + gi * 16 + r)), zero,
+            negate(_mm256_mul_ps(f16x8(tile + 32 + 2 * r), u8x8(tile + 64 + 128 + gi * 16 + r)))};
+  } else if constexpr (T.scales == Scales::K_HALVES) {
+    const __m256 d = f16x8(tile + 2 * r);
+    return {_mm256_mul_ps(d, i8x8(tile + 32 + 2 * gi * 16 + r)), _mm256_mul_ps(d, i8x8(tile + 32 + (2 * gi + 1) * 16 + r)),
+            zero};
+  } else {  // K_IQ4XS
+    return {_mm256_mul_ps(f16x8(tile + 2 * r), i8x8(tile + 32 + gi * 16 + r)), zero, zero};
+  }
+}
+
+inline int32_t quad_bits(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One quad's dot with 4 broadcast inputs x: u . x, or for signed codes |w| . sign(x, w).
+template <int32_t F>
+inline __m256i quad_dot(__m256i acc, __m256i quad, const int8_t* x) {
+  const __m256i inputs = _mm256_set1_epi32(quad_bits(x));
+  if constexpr (signed_codes<F>()) return dot_accumulate(acc, _mm256_abs_epi8(quad), _mm256_sign_epi8(inputs, quad));
+  return dot_accumulate(acc, quad, inputs);
+}
+
+// out[m, 8h : 8h + 8) (the valid ones of n_valid) for input rows m0 .. m0 + MT - 1.
+template <int32_t F, int MT>
+void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, int64_t m0, float* out, int64_t n_out,
+                int n_valid, const float* row_scales) {
+  constexpr TypeLayout T = layout_of(F);
+  constexpr int64_t TILE_BYTES = T.tile_bytes(), GROUPS = T.groups();
+  constexpr int32_t OFFSET = signed_codes<F>() ? 0 : T.offset;  // signed codes carry their offset
+  for (int half = 0; half < 2 && 8 * half < n_valid; ++half) {
+    __m256 acc[MT];
+    InputRow a[MT];
+    for (int m = 0; m < MT; ++m) {
+      a[m] = acts.row(m0 + m);
+      acc[m] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < n_tiles; ++s) {
+      const uint8_t* tile = tiles + s * TILE_BYTES;
+      for (int64_t gi = 0; gi < GROUPS; ++gi) {
+        const uint8_t* codes = group_codes(T, tile, gi);
+        for (int64_t line = 0; line < T.group_bytes; line += 64) __builtin_prefetch(codes + 4 * 320 + line);
+        const int64_t g = s * GROUPS + gi;
+        __m256i q[8];
+        unpack_quads<F>(codes, half, q);
+        const Scales8 scales = group_scales<F>(tile, gi, half);
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* hi = a[m].high(g);
+          const int8_t* lo = a[m].low(g);
+          __m256i h0 = _mm256_setzero_si256(), h1 = h0, l0 = h0, l1 = h0;
+          for (int i = 0; i < 4; ++i) {
+            h0 = quad_dot<F>(h0, q[i], hi + 4 * i);
+            h1 = quad_dot<F>(h1, q[i + 4], hi + 16 + 4 * i);
+            l0 = quad_dot<F>(l0, q[i], lo + 4 * i);
+            l1 = quad_dot<F>(l1, q[i + 4], lo + 16 + 4 * i);
+          }
+          __m256i d_a = _mm256_add_epi32(_mm256_slli_epi32(h0, 7), l0);
+          __m256i d_b = _mm256_add_epi32(_mm256_slli_epi32(h1, 7), l1);
+          const int32_t* sums = a[m].digit_sums + 2 * g;
+          const __m256 ds = _mm256_set1_ps(a[m].dot_scales[g]);
+          if constexpr (T.halves()) {
+            d_a = _mm256_sub_epi32(d_a, _mm256_set1_epi32(OFFSET * sums[0]));
+            d_b = _mm256_sub_epi32(d_b, _mm256_set1_epi32(OFFSET * sums[1]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_a), _mm256_mul_ps(scales.scale, ds), acc[m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_b), _mm256_mul_ps(scales.scale_b, ds), acc[m]);
+          } else {
+            __m256i d = _mm256_add_epi32(d_a, d_b);
+            if constexpr (OFFSET != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(OFFSET * (sums[0] + sums[1])));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scales.scale, ds), acc[m]);
+            if constexpr (T.has_min()) acc[m] = _mm256_fmadd_ps(scales.min, _mm256_set1_ps(a[m].sums[g]), acc[m]);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[m]);
+      float* o = out + (m0 + m) * n_out + 8 * half;
+      for (int j = 0; j < 8 && 8 * half + j < n_valid; ++j)
+        o[j] = T.scales == Scales::ROW ? lanes[j] * row_scales[8 * half + j] : lanes[j];
+    }
+  }
+}
+
+constexpr int ROWS_PER_PASS = 1;  // 16 registers: 8 quads + 4 chains + the accumulator
+
+}  // namespace avx2
+}  // namespace hl
+#endif

@@ -1,0 +1,152 @@
+"""Every weight format the native kernels read in place (``qtypes.h``): the GGUF types of common
+files, held in the file's own blocks and scales, the engine's int8, and float rows.
+
+For each: the values the kernels compute with are the file's (the gguf package's dequantizer,
+exactly); the product is the exact product of those values up to the activations' two int8
+digits; every kernel (AVX-512 VNNI, AMX tiles, AVX2 with and without VNNI, the portable
+reference) gives the same bits; a row's result does not depend on the other rows; the tiles take
+the file's bytes. Random blocks cover every code, scale and min a file may hold.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from hybridllm.kernels import native
+from hybridllm.kernels.native_linear import NativeQuantEmbedding, NativeQuantLinear, native_module
+from hybridllm.models.quantized import Int8GroupedLinear, Int8Linear
+
+from conftest import NEEDS_COMPILER
+
+pytestmark = NEEDS_COMPILER
+
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# Where each type's block keeps its float16 scale (and min): sane values there, random bytes elsewhere.
+SCALE_OFFSETS = {"Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+
+
+def random_rows(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """(n, bytes per row) uint8: n rows of k values of a GGUF type, random codes and scales."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // values, block_bytes), dtype=np.uint8)
+    for offset in SCALE_OFFSETS.get(type_name, (0,)):
+        scales = rng.uniform(0.001, 0.02, size=(n, k // values)).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(n, k // values, 2)
+    return blocks.reshape(n, -1)
+
+
+def gguf_values(type_name: str, rows: np.ndarray, k: int) -> torch.Tensor:
+    """The gguf package's dequantization: (n, k) float32."""
+    values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[type_name])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(rows.shape[0], k))
+
+
+def held(type_name: str, n: int, k: int, seed: int = 0) -> tuple[NativeQuantLinear, torch.Tensor]:
+    rows = random_rows(type_name, n, k, seed)
+    return NativeQuantLinear.from_gguf(type_name, torch.from_numpy(rows.copy()), k), gguf_values(type_name, rows, k)
+
+
+@pytest.fixture
+def amx(request):
+    """Run with AMX tiles on, then off (restored afterwards); a no-op where the CPU has none."""
+    library = native.kernels()
+    yield library
+    library.hl_set_amx(1)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_the_values_are_the_files(type_name):
+    layer, values = held(type_name, 40, 512)
+    assert torch.equal(layer.dequantize(), values)
+    ids = torch.tensor([[3, 39], [0, 17]])
+    assert torch.equal(layer.rows(ids), values[ids])  # lookups read rows of the tiles
+    embedding = NativeQuantEmbedding(layer)
+    assert torch.equal(embedding(ids), values[ids]) and embedding.tied_head() is layer
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 17])  # one row, a vector pass, AMX tiles (from 10 rows)
+def test_products_are_exact_dots_the_same_on_every_kernel(type_name, rows, amx):
+    layer, values = held(type_name, 48, 768, seed=rows)
+    view = native.linear_view(layer)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    expected = (x.double() @ values.double().T)
+    reference = native.reference_linear(view, x)
+    for tiles in (1, 0):
+        amx.hl_set_amx(tiles)
+        out = native.linear(view, x)
+        assert torch.equal(out, reference), f"tiles={tiles}"  # vector/tile kernels == the portable reference
+        alone = torch.cat([native.linear(view, x[i:i + 1]) for i in range(rows)])
+        assert torch.equal(alone, out)  # each row as alone
+    error = (reference.double() - expected).abs().max().item() / expected.abs().max().item()
+    assert error < 2e-4  # the activations' two int8 digits (~15 bits)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_every_build_gives_the_same_bits(type_name, avx2_library, portable_library):
+    layer, _ = held(type_name, 40, 512, seed=7)
+    view = native.linear_view(layer)
+    x = torch.randn(12, 512, generator=torch.Generator().manual_seed(8))
+    out = native.linear(view, x)
+    assert torch.equal(native.linear(view, x, library=avx2_library), out)
+    assert torch.equal(native.linear(view, x, library=portable_library), out)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_tiles_take_the_files_bytes(type_name):
+    n, k = 64, 1024
+    rows = random_rows(type_name, n, k)
+    layer = NativeQuantLinear.from_gguf(type_name, torch.from_numpy(rows.copy()), k)
+    assert rows.nbytes <= layer.weight.numel() <= 1.04 * rows.nbytes  # K-quants' unpacked 6-bit scales: +3%
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0", "F16", "BF16"])
+def test_stacked_parts_equal_the_parts(type_name):
+    k = 256
+    if type_name in ("F16", "BF16"):
+        dtype = torch.float16 if type_name == "F16" else torch.bfloat16
+        parts = [NativeQuantLinear.from_gguf(type_name, torch.randn(n, k).to(dtype).view(torch.uint8), k)
+                 for n in (32, 16, 24)]
+    else:
+        parts = [held(type_name, n, k, seed=n)[0] for n in (32, 16, 24)]
+    stacked = NativeQuantLinear.concat(parts)
+    x = torch.randn(3, k)
+    assert torch.equal(stacked(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert torch.equal(stacked.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert NativeQuantLinear.concat([parts[2], parts[0]]) is None or type_name in ("F16", "BF16")  # 24 rows: not whole tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_float_rows_one_arithmetic_for_any_row_count(dtype):
+    weight = torch.randn(37, 200).to(dtype)
+    name = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}[dtype]
+    layer = NativeQuantLinear.from_gguf(name, weight.view(torch.uint8).reshape(37, -1), 200)
+    x = torch.randn(9, 200)
+    out = layer(x)
+    assert torch.equal(out, torch.cat([layer(x[i:i + 1]) for i in range(9)]))
+    torch.testing.assert_close(out, x @ weight.float().T, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_int8_formats_hold_the_same_weights():
+    weight = torch.randn(80, 128)
+    for module in (Int8Linear.from_float(weight), Int8GroupedLinear.from_float(weight)):
+        tiled = native_module(module)
+        assert tiled.weights_name == "int8"
+        assert torch.equal(tiled.dequantize(), module.dequantize().float())
+        x = torch.randn(4, 128)
+        expected = x.double() @ module.dequantize().double().T
+        assert (tiled(x).double() - expected).abs().max() <= 2e-4 * expected.abs().max()
+
+
+def test_gguf_rows_of_other_widths_are_refused():
+    from hybridllm.errors import ConfigError
+
+    assert not NativeQuantLinear.supports("Q4_K", 320) and NativeQuantLinear.supports("Q4_0", 320)
+    assert not NativeQuantLinear.supports("Q2_K", 256)
+    with pytest.raises(ConfigError, match="Q4_K"):
+        NativeQuantLinear.from_gguf("Q4_K", torch.zeros(16, 180, dtype=torch.uint8), 320)
