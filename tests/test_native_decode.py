@@ -217,8 +217,8 @@ class _Bf16Linear(torch.nn.Module):
         return x @ self.weight.float().T
 
 
-@pytest.mark.parametrize("kv_cache", ["tiered", "quantized", "offloaded"])
-def test_strategies_without_in_place_slots_run_the_pytorch_step(tiny_models, kv_cache, monkeypatch):
+@pytest.mark.parametrize("kv_cache", ["tiered", "quantized", "offloaded", "host"])
+def test_every_strategy_decodes_natively(tiny_models, kv_cache, monkeypatch):
     from hybridllm import LLM, SamplingParams
 
     counts = _count_native_steps(monkeypatch)
@@ -226,9 +226,9 @@ def test_strategies_without_in_place_slots_run_the_pytorch_step(tiny_models, kv_
     gguf = str(tiny_models["llama"][1])
     native_llm = LLM(gguf, threads=2, kv_cache=kv_cache)
     plain_llm = LLM(gguf, threads=2, kv_cache=kv_cache, native_decode=False)
-    assert native_llm.runner.report.build.whole_step
+    assert native_llm.runner.report.build.whole_step and native_llm.runtime.native_kv
     assert native_llm.generate("Hello", params).token_ids == plain_llm.generate("Hello", params).token_ids
-    assert counts == {"model": 0, "layer": 0}
+    assert counts == {"model": 5, "layer": 0}  # every decode step after the first token: one native call
 
 
 def test_split_placement_counts_the_same_hops_natively(tiny_models, monkeypatch):
@@ -321,39 +321,41 @@ def test_host_decode_copy_gets_its_own_native_steps(tiny_models, monkeypatch):
     assert plain.generate("The sky is", params).token_ids == tokens
 
 
-def test_in_place_slots_only_where_a_kernel_can_write_the_buffer():
+def test_in_place_rows_only_where_a_kernel_can_write_the_buffer():
     from hybridllm.kvcache.batch import BatchedCaches
 
     spec = KVSpec(2, 2, 16, torch.float32, CPU, max_tokens=64)
     one, two = DynamicCache(spec), DynamicCache(spec)
-    slot = BatchedCaches([one]).in_place_slot(0, 1)  # a batch of one is its sequence's cache
-    assert slot.start == 0 and one.length(0) == 1 and slot.keys.shape == (1, 2, one.capacity(0), 16)
-    assert one.in_place_slot(0, 1).start == 1 and one.length(0) == 2
+    rows = BatchedCaches([one]).in_place_rows([0, 1], 1)  # a batch of one is its sequence's cache
+    assert rows.start == 0 and one.length(0) == 1 and rows.runs[0]["capacity"][0] == one.capacity(0)
+    assert one.in_place_rows([0, 1], 1).start == 1 and one.length(0) == 2
     assert BatchedCaches([one]).supports_in_place(1)
     assert not BatchedCaches([one, two]).supports_in_place(0)
     with pytest.raises(ValueError, match="batch of one"):
-        BatchedCaches([one, two]).in_place_slot(0, 1)
+        BatchedCaches([one, two]).in_place_rows([0], 1)
     assert not DynamicCache(KVSpec(2, 2, 16, torch.bfloat16, CPU)).supports_in_place(0)  # the kernels read float32
     assert not DynamicCache(KVSpec(2, 2, 16, torch.float32, CPU, batch_size=2)).supports_in_place(0)
 
 
-def test_in_place_rows_claim_every_layer_as_its_slots_would():
+def test_in_place_rows_of_every_layer_as_of_each_layer():
     """A whole-model step claims every layer of a cache in one call: the same start, buffers and
-    lengths as a slot per layer; the buffers' addresses are read again after a reallocation."""
-    from hybridllm.kvcache.base import InPlaceRows, KVCache
+    lengths as claiming layer by layer; the buffers' addresses are read again after a reallocation."""
+    from hybridllm.kvcache.base import InPlaceRows
 
     spec = KVSpec(3, 2, 16, torch.float32, CPU, max_tokens=512)
     fast, generic = DynamicCache(spec, page_size=16), DynamicCache(spec, page_size=16)
     layers = [0, 1, 2]
     for n_new in (5, 1, 40):  # the last one outgrows the first allocation
         rows = fast.in_place_rows(layers, n_new)
-        reference = KVCache.in_place_rows(generic, layers, n_new)  # through in_place_slot, layer by layer
-        assert isinstance(rows, InPlaceRows) and rows.start == reference.start
-        assert rows.capacity == reference.capacity and rows.window == reference.window == [0, 0, 0]
-        assert rows.keys == [fast.in_place_slot(i, 0).keys.data_ptr() for i in layers]
-        assert rows.values == [fast.in_place_slot(i, 0).values.data_ptr() for i in layers]
+        per_layer = [generic.in_place_rows([i], n_new) for i in layers]
+        assert isinstance(rows, InPlaceRows) and rows.start == per_layer[0].start
+        run = rows.runs[0]
+        assert run["capacity"] == [r.runs[0]["capacity"][0] for r in per_layer]
+        assert run["k"] == [fast._stores[i].buffers()[0].data_ptr() for i in layers]
+        assert run["v"] == [fast._stores[i].buffers()[1].data_ptr() for i in layers]
+        assert rows.window == [0, 0, 0] and rows.write == 0 and rows.write_row == rows.start
         assert [fast.length(i) for i in layers] == [generic.length(i) for i in layers] == [rows.start + n_new] * 3
-    assert fast.seq_length == 46 and min(rows.capacity) >= 46
+    assert fast.seq_length == 46 and min(run["capacity"]) >= 46
     with pytest.raises(ValueError, match="KV cache full"):
         fast.in_place_rows(layers, 500)
     assert fast.supports_in_place_layers(layers)

@@ -238,15 +238,25 @@ def test_chunks_of_several_sequences_in_one_call_equal_each_alone(tiny_models, w
                 assert torch.equal(x, y)
 
 
-def test_chunks_of_caches_without_in_place_slots_or_of_one_token_are_refused(tiny_models):
+class _NotInPlace(DynamicCache):
+    """A cache the kernels may not read in place (as a strategy they cannot read would be)."""
+
+    def supports_in_place(self, layer_idx: int) -> bool:
+        return False
+
+    def supports_in_place_layers(self, layer_indices) -> bool:
+        return False
+
+
+def test_chunks_of_caches_without_in_place_rows_or_of_one_token_are_refused(tiny_models):
     runner = _runner(_load(tiny_models, "llama"), "native")
     c = runner.config
     spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=c.max_position_embeddings)
-    tiered, plain = create_cache(KVConfig(kv_cache="tiered"), spec), _cache(runner)
+    other, plain = _NotInPlace(spec), _cache(runner)
     with torch.inference_mode():
-        assert runner.prefill_chunks([([1, 2, 3], plain), ([4, 5], tiered)]) is None
+        assert runner.prefill_chunks([([1, 2, 3], plain), ([4, 5], other)]) is None
         assert runner.prefill_chunks([([1, 2, 3], plain), ([4], _cache(runner))]) is None  # a decode step
-    assert tiered.seq_length == 0 and plain.seq_length == 0  # nothing ran
+    assert other.seq_length == 0 and plain.seq_length == 0  # nothing ran
 
 
 def test_last_logits_only_unless_asked(tiny_models):
@@ -258,8 +268,8 @@ def test_last_logits_only_unless_asked(tiny_models):
     torch.testing.assert_close(every[:, -1:], last, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kv_cache", ["tiered", "quantized"])
-def test_strategies_without_in_place_slots_prefill_through_pytorch(tiny_models, kv_cache, monkeypatch):
+@pytest.mark.parametrize("kv_cache", ["tiered", "quantized", "host", "offloaded"])
+def test_every_strategy_prefills_natively(tiny_models, kv_cache, monkeypatch):
     runner = _runner(_load(tiny_models, "llama"), "native")
     counts = _count_calls(monkeypatch)
     c = runner.config
@@ -267,7 +277,11 @@ def test_strategies_without_in_place_slots_prefill_through_pytorch(tiny_models, 
     cache = create_cache(KVConfig(kv_cache=kv_cache), spec)
     ids = torch.randint(0, c.vocab_size, (1, 20), generator=_gen(13))
     logits = _prefill(runner, cache, ids, chunk=20)
-    assert counts["prefill"] == 0 and torch.isfinite(logits).all()
+    assert counts["prefill"] == 1 and torch.isfinite(logits).all()
+
+    uncounted = _NotInPlace(spec)  # a cache the kernels cannot read prefills through PyTorch
+    _prefill(runner, uncounted, ids, chunk=20)
+    assert counts["prefill"] == 1 and uncounted.seq_length == 20
 
 
 # ---- one copy of the int4 weights ---------------------------------------------------------------

@@ -10,10 +10,17 @@ namespace hl {
 
 constexpr int32_t ABI_VERSION = 9;
 
-enum KVDtype : int32_t {
+// How a KV segment stores its tokens (attention.h reads every one in place).
+enum KVFormat : int32_t {
   KV_F32 = 0,
-  KV_F16 = 1,  // IEEE half: read into float32 registers, float32 accumulate (no float32 copy)
+  KV_F16 = 1,              // IEEE half: read into float32 registers, float32 accumulate (no float32 copy)
+  KV_Q8 = 2,               // int8 codes, keys and values per token in groups of channels: value = code * scale + zero
+  KV_Q4 = 3,               // the same with 4-bit codes, two per byte (element 2i in the low nibble)
+  KV_Q8_CHANNEL_KEYS = 4,  // values as KV_Q8; keys per channel in groups of `group` tokens (KIVI)
+  KV_Q4_CHANNEL_KEYS = 5,
 };
+
+constexpr int MAX_KV_SEGMENTS = 3;
 
 // How a matrix (N, K) is stored. The quantized formats are tiles of 16 rows (qtypes.h).
 enum WeightFormat : int32_t {
@@ -94,18 +101,49 @@ struct HLDecoderLayer {
   int64_t intermediate;
 };
 
-// One layer's KV buffers of one sequence ((Hkv, capacity, D) each, float32 or float16 as kv_dtype
-// says), the row of this step's token, and the layer's sliding window (the newest `window` keys,
-// its own included, are attended; 0: all of them).
+// A run of one sequence's tokens in one layer's KV, as one store holds them: positions
+// position .. position + tokens - 1 at buffer rows row0 .. row0 + tokens - 1 of every KV head.
+// Dense formats: k, v (Hkv, capacity, D). Quantized: codes k, v (Hkv, capacity, D bytes, or D / 2
+// for 4 bits); float16 scales and zeros per token (Hkv, capacity, D / group) for values and
+// per-token keys, per channel (Hkv, capacity / key_group, D) for channel keys.
+struct HLKVSegment {
+  int32_t format;     // KVFormat
+  int32_t group;      // channels per scale: values, and keys per token
+  int32_t key_group;  // tokens per scale: keys per channel
+  int32_t reserved;
+  int64_t position;
+  int64_t tokens;
+  int64_t row0;
+  int64_t capacity;  // rows per KV head in the buffers
+  void* k;
+  void* v;
+  void* k_scale;
+  void* k_zero;
+  void* v_scale;
+  void* v_zero;
+};
+
+// One layer's KV of one sequence for one step: up to three segments in position order holding
+// positions 0 .. start + n - 1 (n: the step's tokens of the sequence; older ones may be left out
+// when a sliding window hides them), the step's first position, and where its rows are written:
+// segment `write` (dense or per-token quantized) at row write_row on. A sliding window attends
+// the newest `window` keys of a position, its own included (0: all of them). `settle` > 0 (a
+// quantized cache's full-precision residual): after the layer's attention the first `settle`
+// rows of segment `write` are quantized onto segment write - 1 at row settle_row, and the rest of
+// segment `write` moves down to its row0.
 struct HLLayerCache {
-  void* keys;
-  void* values;
-  int64_t capacity;
+  HLKVSegment segments[hl::MAX_KV_SEGMENTS];
+  int32_t n_segments;
+  int32_t write;
+  int64_t write_row;
   int64_t start;
-  int32_t kv_dtype;  // KV_F32 or KV_F16
   int32_t window;
-  int64_t first() const { return window > 0 && start + 1 > window ? start + 1 - window : 0; }  // first key attended
-  int64_t attended() const { return start + 1 - first(); }  // keys attended
+  int32_t settle;
+  int64_t settle_row;
+  // The first key position the token at `position` attends.
+  int64_t first_visible(int64_t position) const {
+    return window > 0 && position + 1 > window ? position + 1 - window : 0;
+  }
 };
 
 }  // extern "C"

@@ -31,8 +31,9 @@ FLOAT_FORMATS = {FORMAT_F32: torch.float32, FORMAT_F16: torch.float16, FORMAT_BF
 SUPER_BLOCK = {name: 1 if code in FLOAT_FORMATS else 256 if name.endswith("_K") or name == "IQ4_XS" else 32
                for name, code in GGUF_FORMATS.items()}
 ACT_SILU, ACT_GELU_TANH = 0, 1  # abi.h's MlpActivation
-KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # abi.h's KVDtype: the KV the kernels read as stored
+KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # dense KV the kernels read as stored (abi.h's KVFormat F32, F16)
 MAX_HEAD_DIM = 512  # layer.h's rotary scratch
+MAX_GROUP = 16  # attention.h: query heads per KV head
 
 
 class HLLinear(ctypes.Structure):
@@ -78,14 +79,38 @@ class HLDecoderLayer(ctypes.Structure):
     ]
 
 
+class HLKVSegment(ctypes.Structure):
+    _fields_ = [
+        ("format", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("key_group", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("position", ctypes.c_int64),
+        ("tokens", ctypes.c_int64),
+        ("row0", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("k_scale", ctypes.c_void_p),
+        ("k_zero", ctypes.c_void_p),
+        ("v_scale", ctypes.c_void_p),
+        ("v_zero", ctypes.c_void_p),
+    ]
+
+
+MAX_KV_SEGMENTS = 3  # abi.h
+
+
 class HLLayerCache(ctypes.Structure):
     _fields_ = [
-        ("keys", ctypes.c_void_p),
-        ("values", ctypes.c_void_p),
-        ("capacity", ctypes.c_int64),
+        ("segments", HLKVSegment * MAX_KV_SEGMENTS),
+        ("n_segments", ctypes.c_int32),
+        ("write", ctypes.c_int32),
+        ("write_row", ctypes.c_int64),
         ("start", ctypes.c_int64),
-        ("kv_dtype", ctypes.c_int32),
         ("window", ctypes.c_int32),  # the layer's sliding window (0: none)
+        ("settle", ctypes.c_int32),
+        ("settle_row", ctypes.c_int64),
     ]
 
 

@@ -1,14 +1,28 @@
-// The attention of decode rows: one query position per row over its own cache, its grouped
-// query heads together, split into (KV head, token chunk) items merged by log-sum-exp.
+// Attention of a layer's rows over their sequences' KV, read in place whatever stores it: one
+// arithmetic per row, so a row's output is the same bits in a decode step, in a prefill chunk of
+// any length, alone or in any batch, on any number of threads, and over any split of its keys into
+// stores (a dense cache, a quantized cache's packed tokens and residual, a tiered cache's sinks,
+// cold pages and hot window).
 //
-// Self-contained. How a row's attention is cut into items depends on its length only (not on
-// the team size or the batch), so the chunks, and the order their results are merged in, are the
-// same alone or in any batch, on any number of threads. Keys and values are read as the cache
-// stores them (float32 or float16, converted in registers, float32 accumulation).
+// Self-contained. The arithmetic of a row at position p with its G query heads sharing a KV head:
+// the keys it sees ([first_visible(p), p]) in blocks of KEY_BLOCK aligned to absolute positions;
+// per block, each key's score (a dot over D in vector lanes, FMAs in order, then a fixed
+// transposing reduction; times the scale; soft-capped), the block's max m_b, p_t = exp(s_t - m_b),
+// l_b = their sum, o_b = sum_t p_t v_t (FMAs in key order); the blocks merged in position order,
+// (m, l, o) <- (max, l e^(m - m') + l_b e^(m_b - m'), o e^(m - m') + o_b e^(m_b - m')); the
+// output o / l. Quantized tokens are dequantized (code * scale + zero, one FMA) into a block's
+// float scratch first; float16 tokens are converted in registers.
+//
+// Decode rows: the blocks of a row go to the threads as items (row, KV head, up to
+// BLOCKS_PER_ITEM blocks), each block's (m_b, l_b, o_b) kept, then each (row, query head) merges
+// its blocks in order. Prefill chunks: items (chunk, QUERY_ROWS positions, KV head), each row
+// merging its blocks as it goes. The same block function and the same merge either way.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "abi.h"
@@ -23,6 +37,20 @@ struct ScoreOptions {
   float softcap;
 };
 
+constexpr int64_t KEY_BLOCK = 64;       // keys per block, aligned to absolute positions
+constexpr int64_t BLOCKS_PER_ITEM = 4;  // a decode item's blocks
+constexpr int64_t QUERY_ROWS = 32;      // a prefill item's positions
+constexpr int MAX_GROUP = 16;           // query heads per KV head the kernels take (MAX_HEAD_DIM: layer.h)
+
+inline f32xW fma_wide(f32xW a, f32xW b, f32xW c) {
+#if defined(__AVX512F__)
+  const __m512 r = _mm512_fmadd_ps(load<__m512>(&a), load<__m512>(&b), load<__m512>(&c));
+  return load<f32xW>(&r);
+#else
+  return fma_lanes(a, b, c);  // WLANES == LANES
+#endif
+}
+
 // scores[t] = cap * tanh(scores[t] / cap) for t < n.
 inline void softcap_scores(float* s, int64_t n, float cap) {
   const float inverse = 1.0f / cap;
@@ -31,7 +59,7 @@ inline void softcap_scores(float* s, int64_t n, float cap) {
   for (; t < n; ++t) s[t] = tanh_clamped(s[t] * inverse) * cap;
 }
 
-// The horizontal sums of four vectors (out[j] of v[j]), in a fixed order: a transposing reduction.
+// The horizontal sums of four vectors (out[j] of v[j] only), in a fixed order: a transposing reduction.
 inline void sum4(const f32xW v[4], float out[4]) {
 #if defined(__AVX512F__)
   __m512 a, b, c, d;
@@ -54,153 +82,95 @@ inline void sum4(const f32xW v[4], float out[4]) {
 #endif
 }
 
-// scores[g * stride + t] = scale * q_g . key_t for the `group` queries sharing a KV head (d a
-// multiple of WLANES): keys four at a time, each key vector loaded once for all the queries, the
-// four dots of a query reduced together.
-template <int GROUP_SIZE, typename T>
-void score_chunk_fixed(const float* q, const T* keys, int64_t len, int64_t d, float scale, float* scores,
-                       int64_t stride) {
-  int64_t t = 0;
-  for (; t + 4 <= len; t += 4) {
-    f32xW dots[GROUP_SIZE][4] = {};
+// ---- scores --------------------------------------------------------------------------------
+// scores[g * stride + t] = scale * q_g . key_t for G queries (q: G x d) and n keys (rows of d,
+// float32 or float16 as stored). d a multiple of WLANES: keys four at a time (each key vector
+// loaded once for every query), the missing ones of the last four zeros (a key's dot does not
+// depend on its neighbours); else one key at a time, plain FMAs in order.
+template <int G, typename T>
+void block_scores(const float* q, const T* keys, int64_t n, int64_t d, float scale, float* scores, int64_t stride) {
+  if (d % WLANES) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int g = 0; g < G; ++g) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < d; ++i) s = std::fma(q[g * d + i], to_float(keys[t * d + i]), s);
+        scores[g * stride + t] = s * scale;
+      }
+    return;
+  }
+  for (int64_t t = 0; t < n; t += 4) {
+    const int valid = static_cast<int>(std::min<int64_t>(4, n - t));
+    f32xW dots[G][4] = {};
     for (int64_t i = 0; i < d; i += WLANES) {
-      f32xW k[4];
-      for (int j = 0; j < 4; ++j) k[j] = load_wide(keys + (t + j) * d + i);
-      for (int g = 0; g < GROUP_SIZE; ++g) {
+      f32xW k[4] = {};
+      for (int j = 0; j < valid; ++j) k[j] = load_wide(keys + (t + j) * d + i);
+      for (int g = 0; g < G; ++g) {
         const f32xW qv = load_wide(q + g * d + i);
-        for (int j = 0; j < 4; ++j) dots[g][j] += qv * k[j];
+        for (int j = 0; j < 4; ++j) dots[g][j] = fma_wide(qv, k[j], dots[g][j]);
       }
     }
-    for (int g = 0; g < GROUP_SIZE; ++g) {
+    for (int g = 0; g < G; ++g) {
       float sums[4];
       sum4(dots[g], sums);
-      for (int j = 0; j < 4; ++j) scores[g * stride + t + j] = sums[j] * scale;
-    }
-  }
-  for (; t < len; ++t) {
-    f32xW dots[GROUP_SIZE] = {};
-    for (int64_t i = 0; i < d; i += WLANES) {
-      const f32xW k = load_wide(keys + t * d + i);
-      for (int g = 0; g < GROUP_SIZE; ++g) dots[g] += load_wide(q + g * d + i) * k;
-    }
-    for (int g = 0; g < GROUP_SIZE; ++g) scores[g * stride + t] = sum_wide(dots[g]) * scale;
-  }
-}
-
-template <typename T>
-void score_chunk(const float* q, const T* keys, int64_t len, int group, int64_t d, float scale, float* scores,
-                 int64_t stride) {
-  if (d % WLANES == 0) {
-    switch (group) {
-      case 1: return score_chunk_fixed<1>(q, keys, len, d, scale, scores, stride);
-      case 2: return score_chunk_fixed<2>(q, keys, len, d, scale, scores, stride);
-      case 3: return score_chunk_fixed<3>(q, keys, len, d, scale, scores, stride);
-      case 4: return score_chunk_fixed<4>(q, keys, len, d, scale, scores, stride);
-      case 5: return score_chunk_fixed<5>(q, keys, len, d, scale, scores, stride);
-      case 6: return score_chunk_fixed<6>(q, keys, len, d, scale, scores, stride);
-      case 7: return score_chunk_fixed<7>(q, keys, len, d, scale, scores, stride);
-      case 8: return score_chunk_fixed<8>(q, keys, len, d, scale, scores, stride);
-      default: break;
-    }
-  }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* key = keys + t * d;
-    for (int g = 0; g < group; ++g) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < d; ++i) s += q[g * d + i] * to_float(key[i]);
-      scores[g * stride + t] = s * scale;
+      for (int j = 0; j < valid; ++j) scores[g * stride + t + j] = sums[j] * scale;
     }
   }
 }
 
-// acc[g * d ..] = sum_t scores[g * stride + t] * values[t] for each query g of a group: each
-// value vector loaded once for all the group's queries while their accumulators fit in
-// registers, else one query at a time (the chunk's value rows stay in L1/L2 between them).
-template <int VECS, int GROUP_SIZE, typename T>
-void accumulate_values_fixed(const T* values, int64_t len, const float* scores, int64_t stride, float* acc) {
+// ---- values --------------------------------------------------------------------------------
+// acc[g * d + i] = fma(p[g * stride + t], value_t[i], acc[g * d + i]) for t = 0 .. n - 1 in order
+// (acc holds the sums so far: a block's keys may come from several stores).
+template <int VECS, int G, typename T>
+void accumulate_fixed(const T* values, int64_t n, const float* p, int64_t stride, float* acc) {
   constexpr int64_t D = WLANES * VECS;
-  if constexpr (GROUP_SIZE * VECS <= 24) {
-    f32xW a[GROUP_SIZE][VECS] = {};
-    for (int64_t t = 0; t < len; ++t) {
+  if constexpr (G * VECS <= 24) {
+    f32xW a[G][VECS];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < VECS; ++i) a[g][i] = load<f32xW>(acc + g * D + WLANES * i);
+    for (int64_t t = 0; t < n; ++t)
       for (int i = 0; i < VECS; ++i) {
         const f32xW v = load_wide(values + t * D + WLANES * i);
-        for (int g = 0; g < GROUP_SIZE; ++g) a[g][i] += v * scores[g * stride + t];
+        for (int g = 0; g < G; ++g) a[g][i] = fma_wide(f32xW{} + p[g * stride + t], v, a[g][i]);
       }
-    }
-    for (int g = 0; g < GROUP_SIZE; ++g) std::memcpy(acc + g * D, a[g], sizeof a[g]);
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[g][i]);
   } else {
-    for (int g = 0; g < GROUP_SIZE; ++g) {
-      f32xW a[VECS] = {};
-      const float* p = scores + g * stride;
-      for (int64_t t = 0; t < len; ++t)
-        for (int i = 0; i < VECS; ++i) a[i] += load_wide(values + t * D + WLANES * i) * p[t];
-      std::memcpy(acc + g * D, a, sizeof a);
+    for (int g = 0; g < G; ++g) {
+      f32xW a[VECS];
+      for (int i = 0; i < VECS; ++i) a[i] = load<f32xW>(acc + g * D + WLANES * i);
+      for (int64_t t = 0; t < n; ++t)
+        for (int i = 0; i < VECS; ++i) a[i] = fma_wide(f32xW{} + p[g * stride + t], load_wide(values + t * D + WLANES * i), a[i]);
+      for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[i]);
     }
   }
 }
 
-template <int VECS, typename T>
-bool accumulate_values_group(const T* values, int64_t len, int group, const float* scores, int64_t stride,
-                             float* acc) {
-  switch (group) {
-    case 1: return accumulate_values_fixed<VECS, 1>(values, len, scores, stride, acc), true;
-    case 2: return accumulate_values_fixed<VECS, 2>(values, len, scores, stride, acc), true;
-    case 3: return accumulate_values_fixed<VECS, 3>(values, len, scores, stride, acc), true;
-    case 4: return accumulate_values_fixed<VECS, 4>(values, len, scores, stride, acc), true;
-    case 5: return accumulate_values_fixed<VECS, 5>(values, len, scores, stride, acc), true;
-    case 6: return accumulate_values_fixed<VECS, 6>(values, len, scores, stride, acc), true;
-    case 7: return accumulate_values_fixed<VECS, 7>(values, len, scores, stride, acc), true;
-    case 8: return accumulate_values_fixed<VECS, 8>(values, len, scores, stride, acc), true;
-    default: return false;
-  }
-}
-
-template <typename T>
-void accumulate_values(const T* values, int64_t len, int group, int64_t d, const float* scores, int64_t stride,
-                       float* acc) {
-  bool done = false;
+template <int G, typename T>
+void accumulate_values(const T* values, int64_t n, int64_t d, const float* p, int64_t stride, float* acc) {
   if (d % WLANES == 0) {
     switch (d / WLANES) {
-      case 2: done = accumulate_values_group<2>(values, len, group, scores, stride, acc); break;
-      case 4: done = accumulate_values_group<4>(values, len, group, scores, stride, acc); break;
-      case 6: done = accumulate_values_group<6>(values, len, group, scores, stride, acc); break;
-      case 8: done = accumulate_values_group<8>(values, len, group, scores, stride, acc); break;
-      case 16: done = accumulate_values_group<16>(values, len, group, scores, stride, acc); break;
-      case 32: done = accumulate_values_group<32>(values, len, group, scores, stride, acc); break;
+      case 1: return accumulate_fixed<1, G>(values, n, p, stride, acc);
+      case 2: return accumulate_fixed<2, G>(values, n, p, stride, acc);
+      case 4: return accumulate_fixed<4, G>(values, n, p, stride, acc);
+      case 6: return accumulate_fixed<6, G>(values, n, p, stride, acc);
+      case 8: return accumulate_fixed<8, G>(values, n, p, stride, acc);
+      case 16: return accumulate_fixed<16, G>(values, n, p, stride, acc);
+      case 32: return accumulate_fixed<32, G>(values, n, p, stride, acc);
       default: break;
     }
   }
-  if (done) return;
-  std::fill(acc, acc + group * d, 0.0f);
-  for (int g = 0; g < group; ++g)
-    for (int64_t t = 0; t < len; ++t)
-      for (int64_t i = 0; i < d; ++i) acc[g * d + i] += scores[g * stride + t] * to_float(values[t * d + i]);
+  for (int g = 0; g < G; ++g)
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < d; ++i) acc[g * d + i] = std::fma(p[g * stride + t], to_float(values[t * d + i]), acc[g * d + i]);
 }
 
-// How one row's attention over `total` tokens is cut into work items (kv head, token chunk):
-// about TARGET_ITEMS items, each at least 64 tokens. It depends on the row's length only (not
-// on the team size or the batch), so the chunks, and the order their results are merged in,
-// are the same alone or in any batch, on any number of threads.
-struct AttentionSplit {
-  static constexpr int64_t TARGET_ITEMS = 32;
-  int64_t chunk, n_chunks, items;
-  AttentionSplit(int64_t total, int n_kv_heads) {
-    chunk = std::max<int64_t>(64, (total + chunks_per_head(n_kv_heads) - 1) / chunks_per_head(n_kv_heads));
-    n_chunks = (total + chunk - 1) / chunk;
-    items = n_kv_heads * n_chunks;
-  }
-  static int64_t chunks_per_head(int n_kv_heads) { return (TARGET_ITEMS + n_kv_heads - 1) / n_kv_heads; }
-  static int64_t max_items(int n_kv_heads) { return n_kv_heads * chunks_per_head(n_kv_heads); }
-};
-
-
-// s[t] = exp(s[t] - shift) for t < n; returns their sum (vectors of LANES, then the tail).
+// s[t] = exp(s[t] - shift) for t < n; returns their sum (lanes by index, then the tail).
 inline float exp_shifted(float* s, int64_t n, float shift) {
   f32xL sums = {};
   int64_t t = 0;
   for (; t + LANES <= n; t += LANES) {
     const f32xL e = exp_vector(load<f32xL>(s + t) - shift);
-    std::memcpy(s + t, &e, sizeof e);
+    store(s + t, e);
     sums += e;
   }
   float sum = sum_lanes(sums);
@@ -211,61 +181,166 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
-// One token's grouped-query attention of work item `item` (kv head, token chunk) of a row:
-// its running max, sum and weighted values per query head of the group.
-template <typename T>
-void attention_item(const float* q, const T* k_cache, const T* v_cache, int64_t capacity, int64_t total,
-                    int group, int64_t d, const ScoreOptions& options, const AttentionSplit& split, int64_t item,
-                    float* part_out, float* part_max, float* part_sum, std::vector<float>& scores) {
-  const int64_t chunk = split.chunk;
-  if (static_cast<int64_t>(scores.size()) < group * chunk) scores.resize(group * chunk);
-  const int64_t kv_head = item / split.n_chunks;
-  const int64_t t0 = (item % split.n_chunks) * chunk;
-  const int64_t len = std::min(total, t0 + chunk) - t0;
-  const T* keys = k_cache + kv_head * capacity * d;
-  const T* values = v_cache + kv_head * capacity * d;
-  score_chunk(q + kv_head * group * d, keys + t0 * d, len, group, d, options.scale, scores.data(), chunk);
-  for (int g = 0; g < group; ++g) {
-    float* s = scores.data() + g * chunk;
-    if (options.softcap > 0.0f) softcap_scores(s, len, options.softcap);
+// ---- reading a segment -----------------------------------------------------------------------
+// Rows [r0, r0 + n) of a quantized store's KV head as float32 (n, d): code * scale + zero.
+inline void dequantize_rows(const HLKVSegment& seg, bool keys, int64_t head, int64_t r0, int64_t n, int64_t d,
+                            float* out) {
+  const bool four = seg.format == KV_Q4 || seg.format == KV_Q4_CHANNEL_KEYS;
+  const bool per_channel = keys && (seg.format == KV_Q8_CHANNEL_KEYS || seg.format == KV_Q4_CHANNEL_KEYS);
+  const int64_t row_bytes = four ? d / 2 : d;
+  const auto* codes = static_cast<const uint8_t*>(keys ? seg.k : seg.v) + head * seg.capacity * row_bytes;
+  const auto* scales = static_cast<const uint16_t*>(keys ? seg.k_scale : seg.v_scale);
+  const auto* zeros = static_cast<const uint16_t*>(keys ? seg.k_zero : seg.v_zero);
+  const int64_t group = per_channel ? seg.key_group : seg.group;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t row = r0 + j;
+    const uint8_t* c = codes + row * row_bytes;
+    float* o = out + j * d;
+    if (per_channel) {  // (Hkv, capacity / group, d): the row's token group
+      const int64_t at = (head * (seg.capacity / group) + row / group) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const int code = four ? (i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15) : c[i];
+        o[i] = std::fma(static_cast<float>(code), half_to_float(scales[at + i]), half_to_float(zeros[at + i]));
+      }
+    } else {  // (Hkv, capacity, d / group): the row's channel groups
+      const int64_t at = (head * seg.capacity + row) * (d / group);
+      for (int64_t i = 0; i < d; ++i) {
+        const int code = four ? (i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15) : c[i];
+        o[i] = std::fma(static_cast<float>(code), half_to_float(scales[at + i / group]), half_to_float(zeros[at + i / group]));
+      }
+    }
+  }
+}
+
+// A run of keys or values of one KV head as rows a kernel reads: float32 or float16 in place, or
+// a quantized run dequantized into `scratch`.
+struct Rows {
+  const void* data;
+  bool half;
+};
+
+inline Rows segment_rows(const HLKVSegment& seg, bool keys, int64_t head, int64_t r0, int64_t n, int64_t d,
+                         float* scratch) {
+  if (seg.format == KV_F32 || seg.format == KV_F16) {
+    const int64_t at = (head * seg.capacity + r0) * d;
+    if (seg.format == KV_F16) return {static_cast<const uint16_t*>(keys ? seg.k : seg.v) + at, true};
+    return {static_cast<const float*>(keys ? seg.k : seg.v) + at, false};
+  }
+  dequantize_rows(seg, keys, head, r0, n, d, scratch);
+  return {scratch, false};
+}
+
+// ---- one block of one row ---------------------------------------------------------------------
+// Per-thread scratch of the block function.
+struct BlockScratch {
+  std::vector<float> scores, keys, values;
+  void reserve(int group, int64_t d) {
+    if (static_cast<int64_t>(scores.size()) < group * KEY_BLOCK) scores.resize(group * KEY_BLOCK);
+    if (static_cast<int64_t>(keys.size()) < KEY_BLOCK * d) keys.resize(KEY_BLOCK * d), values.resize(KEY_BLOCK * d);
+  }
+};
+
+// A block's (or a row's merged) result per query: max m, sum l, output o (d).
+struct Partial {
+  float* m;
+  float* l;
+  float* o;  // (G, d)
+};
+
+// The block of keys [lo, hi) (within one KEY_BLOCK-aligned block) of G queries q (G, d) of one KV
+// head: out.m/l/o per query, as the arithmetic at the top of this file says.
+template <int G>
+void attend_block(const float* q, const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi, int64_t d,
+                  const ScoreOptions& options, Partial out, BlockScratch& scratch) {
+  scratch.reserve(G, d);
+  float* scores = scratch.scores.data();
+  const int64_t n = hi - lo;
+  // scores of every segment's part of the block
+  for (int s = 0; s < cache.n_segments; ++s) {
+    const HLKVSegment& seg = cache.segments[s];
+    const int64_t a = std::max(lo, seg.position), b = std::min(hi, seg.position + seg.tokens);
+    if (a >= b) continue;
+    const Rows keys = segment_rows(seg, true, head, seg.row0 + (a - seg.position), b - a, d, scratch.keys.data());
+    if (keys.half)
+      block_scores<G>(q, static_cast<const uint16_t*>(keys.data), b - a, d, options.scale, scores + (a - lo), KEY_BLOCK);
+    else
+      block_scores<G>(q, static_cast<const float*>(keys.data), b - a, d, options.scale, scores + (a - lo), KEY_BLOCK);
+  }
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * KEY_BLOCK;
+    if (options.softcap > 0.0f) softcap_scores(s, n, options.softcap);
     float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
-    part_max[item * group + g] = m;
-    part_sum[item * group + g] = exp_shifted(s, len, m);
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+    out.m[g] = m;
+    out.l[g] = exp_shifted(s, n, m);
   }
-  accumulate_values(values + t0 * d, len, group, d, scores.data(), chunk, part_out + item * group * d);
+  std::fill(out.o, out.o + G * d, 0.0f);
+  for (int s = 0; s < cache.n_segments; ++s) {
+    const HLKVSegment& seg = cache.segments[s];
+    const int64_t a = std::max(lo, seg.position), b = std::min(hi, seg.position + seg.tokens);
+    if (a >= b) continue;
+    const Rows values = segment_rows(seg, false, head, seg.row0 + (a - seg.position), b - a, d, scratch.values.data());
+    if (values.half)
+      accumulate_values<G>(static_cast<const uint16_t*>(values.data), b - a, d, scores + (a - lo), KEY_BLOCK, out.o);
+    else
+      accumulate_values<G>(static_cast<const float*>(values.data), b - a, d, scores + (a - lo), KEY_BLOCK, out.o);
+  }
 }
 
-// Query head h's output (D,) from a row's work items, merged exactly, chunk by chunk in order.
-inline void merge_head(int h, int group, int64_t d, const AttentionSplit& split, const float* part_out,
-                const float* part_max, const float* part_sum, float* o) {
-  const int64_t kv_head = h / group, g = h % group, n_chunks = split.n_chunks;
-  float m = -INFINITY;
-  for (int64_t c = 0; c < n_chunks; ++c) m = std::max(m, part_max[(kv_head * n_chunks + c) * group + g]);
-  std::fill(o, o + d, 0.0f);
-  float total_sum = 0.0f;
-  for (int64_t c = 0; c < n_chunks; ++c) {
-    const int64_t slot = (kv_head * n_chunks + c) * group + g;
-    const float w = std::exp(part_max[slot] - m);
-    total_sum += w * part_sum[slot];
-    const float* a = part_out + slot * d;
-    for (int64_t i = 0; i < d; ++i) o[i] += w * a[i];
+inline void attend_block_group(int group, const float* q, const HLLayerCache& cache, int64_t head, int64_t lo,
+                               int64_t hi, int64_t d, const ScoreOptions& options, Partial out, BlockScratch& scratch) {
+  switch (group) {
+#define HL_GROUP(N) \
+  case N:           \
+    return attend_block<N>(q, cache, head, lo, hi, d, options, out, scratch);
+    HL_GROUP(1) HL_GROUP(2) HL_GROUP(3) HL_GROUP(4) HL_GROUP(5) HL_GROUP(6) HL_GROUP(7) HL_GROUP(8)
+    HL_GROUP(10) HL_GROUP(12) HL_GROUP(14) HL_GROUP(16)
+#undef HL_GROUP
+    default:
+      break;
   }
-  const float inv = 1.0f / total_sum;
-  for (int64_t i = 0; i < d; ++i) o[i] *= inv;
 }
 
-// The partial results of the rows' attention items, shared by a team; its buffers only grow.
+inline bool supported_group(int group) { return group >= 1 && group <= MAX_GROUP && (group <= 8 || group % 2 == 0); }
+
+// state <- state merged with a block's result (one query; `first`: state holds nothing yet).
+inline void merge_into(float& m, float& l, float* o, float m_b, float l_b, const float* o_b, int64_t d, bool first) {
+  if (first) {
+    m = m_b, l = l_b;
+    std::memcpy(o, o_b, d * sizeof(float));
+    return;
+  }
+  const float top = std::max(m, m_b);
+  const float a = exp_clamped(m - top), c = exp_clamped(m_b - top);
+  l = std::fma(l, a, l_b * c);
+  for (int64_t i = 0; i < d; ++i) o[i] = std::fma(o[i], a, o_b[i] * c);
+  m = top;
+}
+
+// The blocks a row at `position` attends: [first, last] (block indices), its keys [lo, position].
+struct RowBlocks {
+  int64_t lo, first, last;
+  RowBlocks(const HLLayerCache& cache, int64_t position) {
+    lo = cache.first_visible(position);
+    first = lo / KEY_BLOCK;
+    last = position / KEY_BLOCK;
+  }
+  int64_t count() const { return last - first + 1; }
+  int64_t block_lo(int64_t b) const { return std::max(lo, b * KEY_BLOCK); }
+  static int64_t block_hi(int64_t b, int64_t position) { return std::min(position + 1, (b + 1) * KEY_BLOCK); }
+};
+
+// ---- decode rows ----------------------------------------------------------------------------
+// The block results of decode rows, shared by a team; its buffers only grow.
 struct AttentionParts {
   std::vector<float> out, max, sum;
-  std::vector<int64_t> item_offsets;  // (rows + 1,): where each row's items start
+  std::vector<int64_t> row_blocks, item_offsets;  // (rows + 1,): where each row's blocks / items start
 
-  void reserve(int64_t rows, int n_heads, int n_kv_heads, int64_t head_dim) {
-    const int64_t group = n_heads / n_kv_heads, items = AttentionSplit::max_items(n_kv_heads);
-    grow(out, rows * items * group * head_dim);
-    grow(max, rows * items * group);
-    grow(sum, rows * items * group);
+  void reserve(int64_t blocks, int64_t group_outputs, int64_t rows) {
+    grow(out, blocks * group_outputs);
+    grow(max, blocks * group_outputs);
+    grow(sum, blocks * group_outputs);
+    grow(row_blocks, rows + 1);
     grow(item_offsets, rows + 1);
   }
 
@@ -276,48 +351,107 @@ struct AttentionParts {
   }
 };
 
-// Attention of each row's queries q (H, D) (row r at q + r * q_stride) over its own cache
-// (caches[r]: (Hkv, capacity, D), its first start + 1 tokens) -> out (rows, H, D), by the team
-// (`parts` reserved for the rows). The work items of every row (kv head, token chunk) are shared
-// out together, then each (row, query head) is merged. `scores` is the calling thread's scratch.
+// Attention of decode rows: row r's queries q (H, D) at q + r * q_stride, at position
+// caches[r].start, over its own KV -> out (rows, H, D), by the team (`parts` sized by thread 0
+// between barriers). Items (row, KV head, up to BLOCKS_PER_ITEM blocks) are claimed as the
+// threads come; then each (row, query head) merges its blocks in order.
 inline void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
-                           int64_t rows, int n_heads, int n_kv_heads, int head_dim, const ScoreOptions& options,
-                           float* out, AttentionParts& parts, std::vector<float>& scores) {
+                           int64_t rows, int n_heads, int n_kv_heads, int64_t d, const ScoreOptions& options,
+                           float* out, AttentionParts& parts, BlockScratch& scratch) {
   const int group = n_heads / n_kv_heads;
-  const int64_t d = head_dim, row_items = AttentionSplit::max_items(n_kv_heads);
-  int64_t* offsets = parts.item_offsets.data();  // every thread computes the same prefix sums
-  int64_t all_items = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    offsets[r] = all_items;
-    all_items += AttentionSplit(caches[r].attended(), n_kv_heads).items;
+  if (team.thread == 0) {
+    int64_t blocks = 0, items = 0;
+    parts.reserve(0, 0, rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      parts.row_blocks[r] = blocks;
+      parts.item_offsets[r] = items;
+      const RowBlocks rb(caches[r], caches[r].start);
+      blocks += rb.count() * n_kv_heads;
+      items += (rb.count() + BLOCKS_PER_ITEM - 1) / BLOCKS_PER_ITEM * n_kv_heads;
+    }
+    parts.reserve(blocks, static_cast<int64_t>(group) * (d + 2), rows);
+    parts.row_blocks[rows] = blocks;
+    parts.item_offsets[rows] = items;
   }
-  const Share share(all_items, team);
-  int64_t r = 0;
-  for (int64_t i = share.first; i < share.last; ++i) {
-    while (i >= offsets[r] + AttentionSplit(caches[r].attended(), n_kv_heads).items) ++r;
-    const HLLayerCache& c = caches[r];
-    const AttentionSplit split(c.attended(), n_kv_heads);
-    float* part_out = parts.out.data() + r * row_items * group * d;
-    float* part_max = parts.max.data() + r * row_items * group;
-    float* part_sum = parts.sum.data() + r * row_items * group;
-    const int64_t skip = c.first() * d;  // a sliding window starts `first` rows into every head
-    if (c.kv_dtype == KV_F16)
-      attention_item(q + r * q_stride, static_cast<const uint16_t*>(c.keys) + skip,
-                     static_cast<const uint16_t*>(c.values) + skip, c.capacity, c.attended(), group, d, options,
-                     split, i - offsets[r], part_out, part_max, part_sum, scores);
-    else
-      attention_item(q + r * q_stride, static_cast<const float*>(c.keys) + skip,
-                     static_cast<const float*>(c.values) + skip, c.capacity, c.attended(), group, d, options, split,
-                     i - offsets[r], part_out, part_max, part_sum, scores);
+  team.barrier();
+  const int64_t all_items = parts.item_offsets[rows];
+  const int64_t stride = static_cast<int64_t>(group);  // one block's max/sum entries
+  for (int64_t item = team.claim(); item < all_items; item = team.claim()) {
+    const int64_t r = std::upper_bound(parts.item_offsets.begin(), parts.item_offsets.begin() + rows, item) -
+                      parts.item_offsets.begin() - 1;
+    const HLLayerCache& cache = caches[r];
+    const RowBlocks rb(cache, cache.start);
+    const int64_t items_per_head = (rb.count() + BLOCKS_PER_ITEM - 1) / BLOCKS_PER_ITEM;
+    const int64_t local = item - parts.item_offsets[r];
+    const int64_t head = local / items_per_head, chunk = local % items_per_head;
+    for (int64_t i = chunk * BLOCKS_PER_ITEM; i < std::min(rb.count(), (chunk + 1) * BLOCKS_PER_ITEM); ++i) {
+      const int64_t b = rb.first + i;
+      const int64_t slot = parts.row_blocks[r] + head * rb.count() + i;  // (row, head, block)
+      const Partial result{parts.max.data() + slot * stride, parts.sum.data() + slot * stride,
+                           parts.out.data() + slot * stride * d};
+      attend_block_group(group, q + r * q_stride + head * group * d, cache, head, rb.block_lo(b),
+                         RowBlocks::block_hi(b, cache.start), d, options, result, scratch);
+    }
   }
-  team.barrier();  // every item is done
+  team.barrier();
   const Share heads(rows * n_heads, team);
   for (int64_t i = heads.first; i < heads.last; ++i) {
-    const int64_t row = i / n_heads;
-    const int h = static_cast<int>(i % n_heads);
-    merge_head(h, group, d, AttentionSplit(caches[row].attended(), n_kv_heads),
-               parts.out.data() + row * row_items * group * d, parts.max.data() + row * row_items * group,
-               parts.sum.data() + row * row_items * group, out + i * d);
+    const int64_t r = i / n_heads, h = i % n_heads, head = h / group, g = h % group;
+    const RowBlocks rb(caches[r], caches[r].start);
+    float m = 0.0f, l = 0.0f;
+    float* o = out + i * d;
+    for (int64_t blk = 0; blk < rb.count(); ++blk) {
+      const int64_t slot = parts.row_blocks[r] + head * rb.count() + blk;
+      merge_into(m, l, o, parts.max[slot * stride + g], parts.sum[slot * stride + g],
+                 parts.out.data() + (slot * stride + g) * d, d, blk == 0);
+    }
+    const float inverse = 1.0f / l;
+    for (int64_t j = 0; j < d; ++j) o[j] *= inverse;
+  }
+  team.barrier();
+}
+
+// ---- prefill chunks ---------------------------------------------------------------------------
+// Attention of prefill chunks by the team: segment s is rows offsets[s] .. offsets[s + 1] - 1 of q
+// (stride q_stride), consecutive positions from caches[s].start of the sequence whose layer KV is
+// caches[s] -> out (rows, H, D). Items (segment, QUERY_ROWS positions, KV head) are claimed as the
+// threads come; each row merges its blocks in order as it goes.
+inline void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
+                                   const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t d,
+                                   const ScoreOptions& options, float* out, BlockScratch& scratch) {
+  const int group = n_heads / n_kv_heads;
+  thread_local std::vector<float> block;  // one block's result: max, sum (G each), out (G, d)
+  thread_local std::vector<float> state;  // the row's merged result, the same shape
+  if (static_cast<int64_t>(block.size()) < group * (d + 2)) block.resize(group * (d + 2)), state.resize(group * (d + 2));
+  int64_t items = 0;
+  for (int64_t s = 0; s < segments; ++s) items += (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
+  for (int64_t item = team.claim(); item < items; item = team.claim()) {
+    int64_t s = 0, local = item;
+    for (;; ++s) {
+      const int64_t count = (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
+      if (local < count) break;
+      local -= count;
+    }
+    const HLLayerCache& cache = caches[s];
+    const int64_t head = local % n_kv_heads, r0 = offsets[s] + local / n_kv_heads * QUERY_ROWS;
+    const int64_t r1 = std::min(offsets[s + 1], r0 + QUERY_ROWS);
+    const Partial result{block.data(), block.data() + group, block.data() + 2 * group};
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t position = cache.start + (r - offsets[s]);
+      const RowBlocks rb(cache, position);
+      for (int64_t b = rb.first; b <= rb.last; ++b) {
+        attend_block_group(group, q + r * q_stride + head * group * d, cache, head, rb.block_lo(b),
+                           RowBlocks::block_hi(b, position), d, options, result, scratch);
+        for (int g = 0; g < group; ++g)
+          merge_into(state[g], state[group + g], state.data() + 2 * group + g * d, result.m[g], result.l[g],
+                     result.o + g * d, d, b == rb.first);
+      }
+      for (int g = 0; g < group; ++g) {
+        const float inverse = 1.0f / state[group + g];
+        float* o = out + (r * n_heads + head * group + g) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = state[2 * group + g * d + j] * inverse;
+      }
+    }
   }
   team.barrier();
 }

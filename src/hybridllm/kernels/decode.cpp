@@ -15,8 +15,8 @@
 //   dots_avx2.h, dots_avx512.h, dots_amx.h   the same products per instruction set (same bits)
 //   dots_float.h      float32 / float16 / bfloat16 weights
 //   linear.h          x @ W.T by a team, the kernel picked per build and row count
-//   attention.h       decode attention (rows over their own caches, split and merged)
-//   prefill_attention.h   causal attention of prefill chunks
+//   attention.h       attention of decode rows and prefill chunks over any KV store, one arithmetic per row
+//   kv_store.h        writing a step's KV rows (dense or quantized), settling a quantized residual
 //   layer.h           one decoder layer of any family, the head; the step's workspace
 //
 // Batch-invariant and chunk-invariant: a row's products are the same bits alone, in any batch,
@@ -33,7 +33,7 @@
 #include "dots_reference.h"
 #include "layer.h"
 #include "linear.h"
-#include "prefill_attention.h"
+#include "kv_store.h"
 #include "qtypes.h"
 #include "thread_team.h"
 
@@ -174,33 +174,45 @@ int32_t hl_set_amx(int32_t on) {
 }
 
 // ---- attention ------------------------------------------------------------------------------
+// A dense (Hkv, capacity, D) cache of float32 or float16 (KVFormat) as one segment.
+static HLLayerCache dense_cache(const void* k_cache, const void* v_cache, int32_t kv_format, int64_t capacity,
+                                int64_t tokens, int64_t start, int32_t window) {
+  HLLayerCache cache{};
+  cache.segments[0] = HLKVSegment{kv_format, 0, 0, 0, 0, tokens, 0, capacity, const_cast<void*>(k_cache),
+                                  const_cast<void*>(v_cache), nullptr, nullptr, nullptr, nullptr};
+  cache.n_segments = 1;
+  cache.write_row = start;
+  cache.start = start;
+  cache.window = window;
+  return cache;
+}
+
 // Attention of q (H, D) over a (Hkv, capacity, D) cache's first `total` tokens (float32 or
-// float16, kv_dtype), scores q . k / sqrt(D) -> out (H, D).
-void hl_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_dtype, int64_t capacity,
+// float16: KVFormat), scores q . k / sqrt(D) -> out (H, D).
+void hl_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_format, int64_t capacity,
                   int64_t total, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float* out, int32_t n_threads) {
-  const HLLayerCache cache{const_cast<void*>(k_cache), const_cast<void*>(v_cache), capacity, total - 1, kv_dtype, 0};
+  const HLLayerCache cache = dense_cache(k_cache, v_cache, kv_format, capacity, total, total - 1, 0);
   const ScoreOptions options{1.0f / std::sqrt(static_cast<float>(head_dim)), 0.0f};
   Workspace& ws = shared_workspace();
   run_team(n_threads, [&](const Team& team) {
-    if (team.thread == 0) ws.parts.reserve(1, n_heads, n_kv_heads, head_dim);
-    team.barrier();
-    std::vector<float> scores;
-    attention_team(team, q, 0, &cache, 1, n_heads, n_kv_heads, head_dim, options, out, ws.parts, scores);
+    thread_local BlockScratch scratch;
+    attention_team(team, q, 0, &cache, 1, n_heads, n_kv_heads, head_dim, options, out, ws.parts, scratch);
   });
 }
 
 // Causal attention of a prefill chunk: q (rows, H, D) at positions start .. start + rows - 1
 // over a (Hkv, capacity, D) cache whose rows 0 .. start + rows - 1 are written (float32 or
-// float16, kv_dtype), with a sliding window (0: none) -> out (rows, H, D).
-void hl_prefill_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_dtype, int64_t capacity,
+// float16: KVFormat), with a sliding window (0: none) -> out (rows, H, D).
+void hl_prefill_attention(const float* q, const void* k_cache, const void* v_cache, int32_t kv_format, int64_t capacity,
                           int64_t start, int64_t rows, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim,
                           int32_t window, float* out, int32_t n_threads) {
-  const HLLayerCache cache{const_cast<void*>(k_cache), const_cast<void*>(v_cache), capacity, start, kv_dtype, window};
+  const HLLayerCache cache = dense_cache(k_cache, v_cache, kv_format, capacity, start + rows, start, window);
   const int64_t offsets[2] = {0, rows};
   const ScoreOptions options{1.0f / std::sqrt(static_cast<float>(head_dim)), 0.0f};
   run_team(n_threads, [&](const Team& team) {
-    prefill::attention_team(team, q, int64_t{n_heads} * head_dim, &cache, offsets, 1, n_heads, n_kv_heads, head_dim,
-                            options, out);
+    thread_local BlockScratch scratch;
+    prefill_attention_team(team, q, int64_t{n_heads} * head_dim, &cache, offsets, 1, n_heads, n_kv_heads, head_dim,
+                           options, out, scratch);
   });
 }
 
@@ -213,8 +225,8 @@ void hl_decode_layer(const HLDecoderLayer* layer, const float* x_in, float* x_ou
   run_team(n_threads, [&](const Team& team) {
     if (team.thread == 0) ws.for_tokens(*layer, rows);
     team.barrier();
-    std::vector<float> scores;
-    decoder_layer_team(team, *layer, x_in, x_out, caches, rows, cos, sin, ws, scores);
+    thread_local BlockScratch scratch;
+    decoder_layer_team(team, *layer, x_in, x_out, caches, rows, cos, sin, ws, scratch);
   });
 }
 
@@ -229,9 +241,9 @@ void hl_decode_model(const HLDecoderLayer* layers, const HLLayerCache* caches, i
   run_team(n_threads, [&](const Team& team) {
     if (team.thread == 0) ws.for_tokens(layers[0], rows);  // every layer of a model has the same shapes
     team.barrier();
-    std::vector<float> scores;
+    thread_local BlockScratch scratch;
     for (int64_t i = 0; i < n_layers; ++i)
-      decoder_layer_team(team, layers[i], x, x, caches + i * rows, rows, cos, sin, ws, scores);
+      decoder_layer_team(team, layers[i], x, x, caches + i * rows, rows, cos, sin, ws, scratch);
     head_team(team, x, layers[0].hidden, nullptr, rows, final_norm, eps, *head, final_softcap, logits, ws);
   });
 }
@@ -251,9 +263,9 @@ void hl_prefill_model(const HLDecoderLayer* layers, const HLLayerCache* caches, 
   run_team(n_threads, [&](const Team& team) {
     if (team.thread == 0) ws.for_segments(layers[0], segments, offsets);
     team.barrier();
-    std::vector<float> scores;
+    thread_local BlockScratch scratch;
     for (int64_t i = 0; i < n_layers; ++i)
-      decoder_layer_team(team, layers[i], x, x, caches + i * segments, rows, cos, sin, ws, scores);
+      decoder_layer_team(team, layers[i], x, x, caches + i * segments, rows, cos, sin, ws, scratch);
     std::vector<int64_t> last(segments);  // each segment's last row
     for (int64_t s = 0; s < segments; ++s) last[s] = offsets[s + 1] - 1;
     head_team(team, x, layers[0].hidden, all_logits ? nullptr : last.data(), all_logits ? rows : segments, final_norm,

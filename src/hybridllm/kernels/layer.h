@@ -15,8 +15,8 @@
 #include "activations.h"
 #include "attention.h"
 #include "common.h"
+#include "kv_store.h"
 #include "linear.h"
-#include "prefill_attention.h"
 #include "thread_team.h"
 
 namespace hl {
@@ -69,23 +69,13 @@ inline void rotate_half(float* h, const float* cos, const float* sin, int64_t r)
   for (int64_t i = 0; i < r; ++i) h[i] = h[i] * cos[i] + rotated[i] * sin[i];
 }
 
-// Write one head's row (d,) of k or v into a cache buffer of kv_dtype at element offset `at`.
-inline void store_row(void* buffer, int32_t kv_dtype, int64_t at, const float* row, int64_t d) {
-  if (kv_dtype == KV_F16) {
-    uint16_t* out = static_cast<uint16_t*>(buffer) + at;
-    for (int64_t i = 0; i < d; ++i) out[i] = float_to_half(row[i]);
-  } else {
-    std::memcpy(static_cast<float*>(buffer) + at, row, d * sizeof(float));
-  }
-}
-
 // ---- the step's scratch -----------------------------------------------------------------------
 // Scratch shared by a team for one step of `rows` tokens. The entry points keep one (the pool's
 // lock: one team at a time) and size it under the lock (thread 0, then a barrier); its buffers
 // only grow, so steps do not page-fault fresh memory.
 struct Workspace {
   std::vector<float> normed, qkv, attn, proj, gate_up, mlp, h;
-  AttentionParts parts;  // decode rows' attention items
+  AttentionParts parts;  // decode rows' attention blocks
   // Prefill: the rows are segments of consecutive positions, segment s rows offsets[s] ..
   // offsets[s + 1] - 1 of one sequence (prefill chunks of several sequences); else one token per row.
   bool prefill = false;
@@ -103,7 +93,6 @@ struct Workspace {
     grow(gate_up, rows * 2 * w.intermediate);
     grow(mlp, rows * w.intermediate);
     grow(h, rows * w.hidden);
-    if (!prefill) parts.reserve(rows, w.n_heads, w.n_kv_heads, d);
   }
 
   // One token per row (decode rows, each with its own cache).
@@ -148,7 +137,7 @@ inline Workspace& shared_workspace() {
 // row's products are the same bits whatever the other rows and the team size.
 inline void decoder_layer_team(const Team& team, const HLDecoderLayer& w, const float* x_in, float* x_out,
                                const HLLayerCache* caches, int64_t rows, const float* cos, const float* sin,
-                               Workspace& ws, std::vector<float>& scores) {
+                               Workspace& ws, BlockScratch& scratch) {
   const int64_t hidden = w.hidden, d = w.head_dim, inter = w.intermediate, rot = w.rotary_dim;
   const int64_t q_size = w.n_heads * d, kv_size = w.n_kv_heads * d, qkv_size = q_size + 2 * kv_size;
   const int64_t table = w.n_rope_tables * rot;  // a row's tables side by side
@@ -172,20 +161,19 @@ inline void decoder_layer_team(const Team& team, const HLDecoderLayer& w, const 
       if (norm != nullptr) rms_norm(vector, norm, w.eps, d, vector);
       rotate_half(vector, cos + r * table + w.rope_table * rot, sin + r * table + w.rope_table * rot, rot);
     }
-    for (int64_t kv_head = 0; kv_head < w.n_kv_heads; ++kv_head) {
-      const int64_t row = (kv_head * c.capacity + position) * d;
-      store_row(c.keys, c.kv_dtype, row, qkv + q_size + kv_head * d, d);
-      store_row(c.values, c.kv_dtype, row, qkv + q_size + kv_size + kv_head * d, d);
-    }
+    write_token(c, position, qkv + q_size, qkv + q_size + kv_size, w.n_kv_heads, d);
   }
   team.barrier();
   PHASE_END(team, ROPE_KV);
   if (ws.prefill)
-    prefill::attention_team(team, ws.qkv.data(), qkv_size, caches, ws.offsets, ws.segments, w.n_heads, w.n_kv_heads,
-                            d, scores_options, ws.attn.data());
+    prefill_attention_team(team, ws.qkv.data(), qkv_size, caches, ws.offsets, ws.segments, w.n_heads, w.n_kv_heads,
+                           d, scores_options, ws.attn.data(), scratch);
   else
-    attention_team(team, ws.qkv.data(), qkv_size, caches, rows, w.n_heads, w.n_kv_heads, w.head_dim, scores_options,
-                   ws.attn.data(), ws.parts, scores);
+    attention_team(team, ws.qkv.data(), qkv_size, caches, rows, w.n_heads, w.n_kv_heads, d, scores_options,
+                   ws.attn.data(), ws.parts, scratch);
+  const Share sequences(ws.prefill ? ws.segments : rows, team);  // a quantized residual's oldest tokens
+  for (int64_t s = sequences.first; s < sequences.last; ++s) settle_residual(caches[s], w.n_kv_heads, d);
+  team.barrier();
   PHASE_END(team, ATTENTION);
   linear_team(team, w.o, ws.attn.data(), ws.proj.data(), rows, &ws.inputs);
   PHASE_END(team, O_PROJ);

@@ -54,7 +54,6 @@ import torch
 from torch import nn
 
 from hybridllm.kernels.abi import (
-    _SLOT_BYTES,
     ACT_GELU_TANH,
     ACT_SILU,
     FLOAT_FORMATS,
@@ -62,6 +61,7 @@ from hybridllm.kernels.abi import (
     FORMAT_Q4,
     GROUP,
     KV_DTYPES,
+    MAX_GROUP,
     MAX_HEAD_DIM,
     Q4_ROWS,
     HLDecoderLayer,
@@ -78,7 +78,7 @@ from hybridllm.kernels.abi import (
 from hybridllm.kernels.build import KernelBuildError, LoadedLibrary, load_decode_library
 from hybridllm.kernels.native_linear import NativeInt4Linear, NativeQuantLinear, hold_natively, native_module
 from hybridllm.kernels.threads import FixedTeam, ThreadPolicy
-from hybridllm.kvcache.base import KVCache
+from hybridllm.kvcache.base import RUN_FIELDS, KVCache
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.models.fuse import ConcatLinear
 from hybridllm.models.layers import GeGLU, RMSNorm, SwiGLU
@@ -231,39 +231,59 @@ def rows_in_place(caches: list[KVCache], layer_indices: list[int], rows: int) ->
     return len(caches) == rows and all(c.supports_in_place_layers(layer_indices) for c in caches)
 
 
-# HLLayerCache's fields as numpy sees an array of them (filled a column at a time).
-_SLOT_FIELDS = np.dtype({"names": ["keys", "values", "capacity", "start", "kv_dtype", "window"],
-                         "formats": ["<u8", "<u8", "<i8", "<i8", "<i4", "<i4"],
-                         "offsets": [HLLayerCache.keys.offset, HLLayerCache.values.offset,
-                                     HLLayerCache.capacity.offset, HLLayerCache.start.offset,
-                                     HLLayerCache.kv_dtype.offset, HLLayerCache.window.offset],
-                         "itemsize": _SLOT_BYTES})
+def _numpy_struct(struct: type[ctypes.Structure]) -> np.dtype:
+    """A ctypes structure's fields as a numpy structured dtype (the same offsets and size)."""
+    kinds = {ctypes.c_int32: "<i4", ctypes.c_int64: "<i8", ctypes.c_void_p: "<u8"}
+    names, formats, offsets = [], [], []
+    for name, kind in struct._fields_:
+        names.append(name)
+        offsets.append(getattr(struct, name).offset)
+        if isinstance(kind, type) and issubclass(kind, ctypes.Array):
+            formats.append((_numpy_struct(kind._type_), (kind._length_,)))
+        else:
+            formats.append(kinds[kind])
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": ctypes.sizeof(struct)})
+
+
+# HLLayerCache as numpy sees an array of them (filled a column at a time).
+_CACHE_FIELDS = _numpy_struct(HLLayerCache)
+
+
+def _columns(values: list, n_layers: int) -> np.ndarray:
+    """Each claim's per-layer list (or one value for every layer) -> (n_layers, claims) int64."""
+    if all(isinstance(v, int) for v in values):
+        return np.broadcast_to(np.asarray(values, dtype=np.int64)[None, :], (n_layers, len(values)))
+    return np.stack([np.broadcast_to(np.asarray(v, dtype=np.int64), (n_layers,)) for v in values], axis=1)
 
 
 def claim_rows(caches: list[KVCache], layer_indices: list[int], lengths: list[int]) -> ctypes.Array:
     """Claim ``lengths[i]`` rows of every layer given in ``caches[i]`` (this step's tokens of each
     sequence), described as an (n_layers, len(caches)) layer-major array of HLLayerCache."""
+    n_layers = len(layer_indices)
     claims = [cache.in_place_rows(layer_indices, n) for cache, n in zip(caches, lengths)]
-    slots = (HLLayerCache * (len(layer_indices) * len(caches)))()
-    view = np.frombuffer(slots, dtype=_SLOT_FIELDS).reshape(len(layer_indices), len(caches))  # (layers, caches)
-    view["keys"] = np.array([c.keys for c in claims], dtype=np.uint64).T
-    view["values"] = np.array([c.values for c in claims], dtype=np.uint64).T
-    view["capacity"] = np.array([c.capacity for c in claims], dtype=np.int64).T
-    view["window"] = np.array([c.window for c in claims], dtype=np.int32).T
-    view["start"] = np.array([c.start for c in claims], dtype=np.int64)[None, :]
-    view["kv_dtype"] = np.array([KV_DTYPES[c.kv_dtype] for c in claims], dtype=np.int32)[None, :]
+    slots = (HLLayerCache * (n_layers * len(caches)))()
+    view = np.frombuffer(slots, dtype=_CACHE_FIELDS).reshape(n_layers, len(caches))  # (layers, caches)
+    n_runs = max(len(claim.runs) for claim in claims)
+    for j in range(n_runs):
+        segment = view["segments"][:, :, j]
+        for name in RUN_FIELDS:
+            values = [claim.runs[j].get(name, 0) if j < len(claim.runs) else 0 for claim in claims]
+            segment[name] = _columns(values, n_layers).astype(segment.dtype[name], copy=False)
+    view["n_segments"] = np.array([len(claim.runs) for claim in claims], dtype=np.int32)[None, :]
+    view["write"] = _columns([claim.write for claim in claims], n_layers).astype(np.int32)
+    view["start"] = np.array([claim.start for claim in claims], dtype=np.int64)[None, :]
+    view["write_row"] = _columns([claim.write_row for claim in claims], n_layers)
+    view["window"] = _columns([claim.window for claim in claims], n_layers).astype(np.int32)
+    view["settle"] = _columns([claim.settle for claim in claims], n_layers).astype(np.int32)
+    view["settle_row"] = _columns([claim.settle_row for claim in claims], n_layers)
     return slots
 
 
 def claim_slots(caches: list[KVCache], layer_idx: int, out: ctypes.Array, n_new: int = 1) -> None:
-    """Claim ``n_new`` rows of a layer in each cache (this step's tokens), each cache's slot
-    described into ``out`` (its first entries: one per cache)."""
-    for entry, cache in zip(out, caches):
-        slot = cache.in_place_slot(layer_idx, n_new)
-        entry.keys, entry.values = slot.keys.data_ptr(), slot.values.data_ptr()
-        entry.capacity, entry.start = slot.keys.shape[2], slot.start
-        entry.kv_dtype = KV_DTYPES[slot.keys.dtype]
-        entry.window = slot.window or 0
+    """Claim ``n_new`` rows of one layer in each cache (this step's tokens), each cache's
+    description copied into ``out`` (its first entries: one per cache)."""
+    described = claim_rows(caches, [layer_idx], [n_new] * len(caches))
+    ctypes.memmove(out, described, ctypes.sizeof(HLLayerCache) * len(caches))
 
 
 def rotary_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
@@ -291,6 +311,10 @@ class NativeDecodeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.head_dim > MAX_HEAD_DIM or attn.n_heads % attn.n_kv_heads:
             raise ValueError(f"head_dim {attn.head_dim} / heads {attn.n_heads}:{attn.n_kv_heads} unsupported")
+        group = attn.n_heads // attn.n_kv_heads
+        if not (group <= 8 or (group <= MAX_GROUP and group % 2 == 0)):
+            raise ValueError(f"{group} query heads per KV head (the kernels take up to 8, or an even count up to "
+                             f"{MAX_GROUP})")
         if type(mlp) not in (SwiGLU, GeGLU):
             raise ValueError(f"no native kernel for the MLP {type(mlp).__name__}")
         gemma = isinstance(layer, GemmaDecoderLayer)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import torch
 
@@ -129,35 +130,85 @@ class KVSpec:
         return 2 * self.batch_size * self.n_kv_heads * self.head_dim * size
 
 
-@dataclass(frozen=True)
-class InPlaceSlot:
-    """A layer's K/V buffers ((B, Hkv, capacity, D) each), the first row to write, and the
-    layer's sliding window (the newest ``window`` keys are attended; None: all)."""
+class KVFormat(IntEnum):
+    """How a store holds a run of tokens, as the native kernels read it in place (their abi.h's KVFormat)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    start: int
-    window: int | None = None
+    F32 = 0
+    F16 = 1
+    Q8 = 2  # int8 codes, keys and values per token in groups of channels: value = code * scale + zero
+    Q4 = 3  # the same, 4-bit codes two per byte (element 2i in the low nibble)
+    Q8_CHANNEL_KEYS = 4  # values as Q8, keys per channel in groups of tokens (KIVI)
+    Q4_CHANNEL_KEYS = 5
+
+
+RUN_FIELDS = ("format", "group", "key_group", "position", "tokens", "row0", "capacity", "k", "v", "k_scale", "k_zero",
+              "v_scale", "v_zero")
 
 
 @dataclass
 class InPlaceRows:
-    """:meth:`KVCache.in_place_rows`: every layer's in-place slot of one claim as addresses and
-    sizes, what a kernel that runs every layer in one call takes."""
+    """:meth:`KVCache.in_place_rows`: the claimed layers' KV of one sequence for a step of n tokens,
+    as a kernel reads and writes it in place: columns over the claimed layers (each value a list
+    with one entry per layer, or one int for all of them).
 
-    start: int  # the first row to write, the same in every layer
-    keys: list[int]  # per layer: the address of its key buffer (B, Hkv, capacity, D)
-    values: list[int]  # ... of its value buffer
-    capacity: list[int]  # per layer: the buffers' rows
-    window: list[int]  # per layer: its sliding window (0: none)
-    kv_dtype: torch.dtype  # what every buffer holds
+    ``runs``: up to three runs in position order, each a dict of :data:`RUN_FIELDS`: its
+    :class:`KVFormat`, quantization ``group`` (channels per scale of values and per-token keys) and
+    ``key_group`` (tokens per scale of per-channel keys), the sequence ``position`` of its buffer row
+    ``row0``, its ``tokens`` (this step's included), the buffers' rows per KV head
+    (``capacity``) and the addresses of its buffers (B=1, Hkv, capacity, ...): ``k``, ``v``, and
+    for quantized runs their float16 ``k_scale``, ``k_zero``, ``v_scale``, ``v_zero`` (missing: 0).
+    Together they hold positions 0 .. start + n - 1 (older ones a sliding window hides may be
+    left out). The step's rows go to run ``write`` from buffer row ``write_row``; ``window`` is
+    each layer's sliding window (0: none). ``settle`` > 0 (a quantized residual): after the
+    layer's attention the kernel quantizes that many rows from the front of run ``write`` onto run
+    ``write - 1`` at row ``settle_row`` and moves the rest of run ``write`` down; the cache counts
+    them there already.
+    """
 
-    @classmethod
-    def of(cls, slots: list[InPlaceSlot]) -> InPlaceRows:
-        if len({slot.start for slot in slots}) != 1 or len({slot.keys.dtype for slot in slots}) != 1:
-            raise ValueError("in-place rows need every layer at the same length and in one dtype")
-        return cls(slots[0].start, [s.keys.data_ptr() for s in slots], [s.values.data_ptr() for s in slots],
-                   [s.keys.shape[2] for s in slots], [s.window or 0 for s in slots], slots[0].keys.dtype)
+    start: int
+    runs: list[dict[str, list[int] | int]]
+    write: list[int] | int
+    write_row: list[int] | int
+    window: list[int] | int = 0
+    settle: list[int] | int = 0
+    settle_row: list[int] | int = 0
+
+
+def _per_layer(value: list[int] | int, n_layers: int) -> list[int]:
+    return list(value) if isinstance(value, list) else [value] * n_layers
+
+
+def merge_in_place_rows(claims: list[tuple[list[int], InPlaceRows]], n_layers: int) -> InPlaceRows:
+    """One description of ``n_layers`` layers from several claims, each of the layers at the given
+    indices (a split cache's parts); runs a claim lacks are empty (no tokens)."""
+    n_runs = max(len(claim.runs) for _, claim in claims)
+    runs = [{name: [0] * n_layers for name in RUN_FIELDS} for _ in range(n_runs)]
+    merged = {name: [0] * n_layers for name in ("write", "write_row", "window", "settle", "settle_row")}
+    starts = {claim.start for _, claim in claims}
+    if len(starts) != 1:
+        raise ValueError("in-place rows need every layer claimed at the same length")
+    for indices, claim in claims:
+        for j, run in enumerate(claim.runs):
+            for name in RUN_FIELDS:
+                column = _per_layer(run.get(name, 0), len(indices))
+                for at, value in zip(indices, column):
+                    runs[j][name][at] = value
+        for name in merged:
+            for at, value in zip(indices, _per_layer(getattr(claim, name), len(indices))):
+                merged[name][at] = value
+    return InPlaceRows(starts.pop(), runs, **merged)
+
+
+def dense_run(fmt: KVFormat, tokens: int, capacity: list[int] | int, keys: list[int] | int,
+              values: list[int] | int) -> dict[str, list[int] | int]:
+    """A run of dense rows holding positions 0 .. tokens - 1 from buffer row 0."""
+    return {"format": int(fmt), "position": 0, "tokens": tokens, "row0": 0, "capacity": capacity, "k": keys,
+            "v": values}
+
+
+def dense_format(dtype: torch.dtype) -> KVFormat:
+    """The :class:`KVFormat` of dense rows of ``dtype`` (float32 or float16)."""
+    return KVFormat.F16 if dtype == torch.float16 else KVFormat.F32
 
 
 class KVCache(ABC):
@@ -224,24 +275,21 @@ class KVCache(ABC):
         """Hint that up to ``n_tokens`` will be cached, so storage can be allocated once."""
 
     def supports_in_place(self, layer_idx: int) -> bool:
-        """Whether :meth:`in_place_slot` serves this layer (a kernel may write and read its
-        buffers directly: contiguous float32 host buffers of a batch of one)."""
+        """Whether :meth:`in_place_rows` serves this layer: a kernel may read and write its KV
+        where the cache holds it (host buffers of a batch of one, in a format the native kernels
+        read)."""
         return False
-
-    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
-        """Room for ``n_new`` tokens of a layer, counted as appended: the caller writes their keys
-        and values at rows ``start ..`` of the returned buffers and attends over rows ``0 ..
-        start + n_new - 1`` itself (the native decode step). Only where :meth:`supports_in_place`."""
-        raise NotImplementedError(f"{type(self).__name__} has no in-place slots")
 
     def supports_in_place_layers(self, layer_indices: Sequence[int]) -> bool:
         """Whether :meth:`in_place_rows` serves all these layers."""
         return all(self.supports_in_place(i) for i in layer_indices)
 
     def in_place_rows(self, layer_indices: Sequence[int], n_new: int) -> InPlaceRows:
-        """:meth:`in_place_slot` of every layer given, in one call (the layers must be at the same
-        length): a whole-model kernel step claims its rows in all of them at once."""
-        return InPlaceRows.of([self.in_place_slot(i, n_new) for i in layer_indices])
+        """Room for ``n_new`` tokens in each layer given (all at the same length), counted as
+        appended: the caller writes their keys and values where the returned description says
+        and attends over the layer's runs itself (the native steps). Only where
+        :meth:`supports_in_place_layers`."""
+        raise NotImplementedError(f"{type(self).__name__} has no in-place rows")
 
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors that hold the KV, per tier: the ledger's counts must equal their bytes."""

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridllm.kvcache.base import InPlaceSlot, KVCache
+from hybridllm.kvcache.base import InPlaceRows, KVCache
 
 
 class BatchedCaches:
@@ -20,8 +20,8 @@ class BatchedCaches:
 
     Only the part of the :class:`~hybridllm.kvcache.base.KVCache` interface that the model uses
     is provided: :meth:`attend`, the per-row start positions :attr:`seq_lengths`, and in-place
-    slots for a batch of one (its sequence's cache's). The native decode step reads
-    :attr:`caches` to take each row's own in-place slot (a batch decodes natively in one call).
+    rows for a batch of one (its sequence's cache's). The native decode step reads
+    :attr:`caches` to claim each row's own in-place rows (a batch decodes natively in one call).
 
     Args:
         caches: one cache per batch row, each holding a single sequence (batch size 1).
@@ -47,10 +47,10 @@ class BatchedCaches:
     def supports_in_place(self, layer_idx: int) -> bool:
         return len(self.caches) == 1 and self.caches[0].supports_in_place(layer_idx)
 
-    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
+    def in_place_rows(self, layer_indices: Sequence[int], n_new: int) -> InPlaceRows:
         if len(self.caches) != 1:
-            raise ValueError(f"in-place slots serve a batch of one, not {len(self.caches)}")
-        return self.caches[0].in_place_slot(layer_idx, n_new)
+            raise ValueError(f"in-place rows serve a batch of one, not {len(self.caches)}")
+        return self.caches[0].in_place_rows(layer_indices, n_new)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         """Split the batch by row, let each sequence's cache attend, and stack the outputs.

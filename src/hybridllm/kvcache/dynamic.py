@@ -11,14 +11,15 @@ from __future__ import annotations
 import torch
 
 from hybridllm.kvcache.attention import causal_attention
-from hybridllm.kvcache.base import InPlaceRows, InPlaceSlot, KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.base import KVSpec, MemoryLedger
+from hybridllm.kvcache.dense_in_place import DenseInPlaceCache
 from hybridllm.kvcache.storage import DenseKV
 from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes, stored_dtype, stored_spec
 
 DEFAULT_PAGE_SIZE = 128
 
 
-class DynamicCache(KVCache):
+class DynamicCache(DenseInPlaceCache):
     """Contiguous per-layer K/V buffers in one tier.
 
     Capacity is a multiple of ``page_size`` tokens and at least doubles when it grows, so the
@@ -49,10 +50,7 @@ class DynamicCache(KVCache):
         self.kv_dtype = spec.dtype if kv_dtype is None else kv_dtype
         self._stores = [DenseKV(self.ledger, tier, self.storage_device, spec, page_size, storage_dtype=self.kv_dtype)
                         for _ in range(spec.n_layers)]
-        self._in_place = frozenset(i for i in range(spec.n_layers) if self._serves_in_place(i))
-        self._windows = [spec.layer_options(i).window or 0 for i in range(spec.n_layers)]
-        self._table: tuple[list[int], list[int], list[int]] = ([], [], [])  # keys, values, capacity per layer
-        self._table_versions: list[int] = []  # the stores' buffer versions the table was read at
+        self._init_in_place()
 
     def capacity(self, layer_idx: int) -> int:
         return self._stores[layer_idx].capacity
@@ -82,49 +80,6 @@ class DynamicCache(KVCache):
         options = self.spec.layer_options(layer_idx)
         return causal_attention(q, keys, values, query_start=past, scale=options.scale, softcap=options.softcap,
                                 window=options.window)
-
-    def _serves_in_place(self, layer_idx: int) -> bool:
-        spec = self.spec
-        return (self.storage_device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
-                and self.kv_dtype in (torch.float32, torch.float16))  # what the native kernels read
-
-    def supports_in_place(self, layer_idx: int) -> bool:
-        return layer_idx in self._in_place
-
-    def supports_in_place_layers(self, layer_indices) -> bool:
-        return self._in_place.issuperset(layer_indices)
-
-    def in_place_rows(self, layer_indices, n_new: int) -> InPlaceRows:
-        """Every layer at once (the layers' buffers' addresses are re-read only after a reallocation)."""
-        start = self._lengths[0]
-        if list(layer_indices) != list(range(self.spec.n_layers)) or any(n != start for n in self._lengths):
-            return super().in_place_rows(layer_indices, n_new)
-        end = start + n_new
-        if end > self.spec.max_tokens:
-            raise ValueError(f"KV cache full: {start} + {n_new} tokens exceed {self.spec.max_tokens}")
-        versions = [store.buffer.version for store in self._stores]
-        if versions != self._table_versions or end > min(self._table[2]):
-            for store in self._stores:
-                store.ensure(end)
-            versions = [store.buffer.version for store in self._stores]
-        for store in self._stores:
-            store.length = end  # the caller writes rows start .. end - 1 itself
-        self._lengths = [end] * len(self._stores)
-        if versions != self._table_versions:
-            buffers = [store.buffers() for store in self._stores]  # (B, Hkv, capacity, D) each
-            self._table = ([k.data_ptr() for k, _ in buffers], [v.data_ptr() for _, v in buffers],
-                           [k.shape[2] for k, _ in buffers])
-            self._table_versions = versions
-        keys, values, capacity = self._table
-        return InPlaceRows(start, keys, values, capacity, self._windows, self.kv_dtype)
-
-    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
-        store = self._stores[layer_idx]
-        past = self._advance(layer_idx, n_new)
-        store.ensure(past + n_new)
-        store.length = past + n_new  # the caller writes rows past .. past+n_new-1 itself
-        keys, values = store.buffers()  # (B, Hkv, capacity, D) each
-        return InPlaceSlot(keys, values, past, self.spec.layer_options(layer_idx).window)
 
     def extend(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, moved_bytes: int = 0) -> None:
         """Append ``keys``/``values`` (B, Hkv, T, D) to a layer without attending (a cache being
@@ -160,4 +115,5 @@ STRATEGY = KVStrategy(
     cost=lambda config, spec, n_tokens, query_bytes: dense_cost("device", stored_spec(config, spec), n_tokens),
     describe=lambda config: "dynamic KV",
     attention_options=True,
+    native="dense rows, read and written in place",
 )

@@ -10,14 +10,15 @@ import torch
 from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.attention import causal_attention
-from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.base import KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.dense_in_place import DenseInPlaceCache
 from hybridllm.kvcache.storage import DenseKV
 from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes
 
 DEFAULT_PAGE_SIZE = 128
 
 
-class HostResidentCache(KVCache):
+class HostResidentCache(DenseInPlaceCache):
     """Base of strategies whose KV lives in host RAM: one contiguous :class:`DenseKV` per layer.
 
     Args:
@@ -33,6 +34,7 @@ class HostResidentCache(KVCache):
         self.page_size = page_size
         self._stores = [DenseKV(self.ledger, "host", spec.host_device, spec, page_size, pin)
                         for _ in range(spec.n_layers)]
+        self._init_in_place()  # the native steps read and write the host stores where they are
 
     extendable = True
 
@@ -107,4 +109,5 @@ STRATEGY = KVStrategy(
     describe=lambda config: "KV and attention on the host",
     moving_parts=3,
     attention_options=True,
+    native="dense rows in host RAM, read and written in place",
 )

@@ -42,6 +42,11 @@ class OffloadedCache(HostResidentCache):
         self._active = 1  # the slot the latest attend used
         self._stream = transfer.side_stream(spec.device)
 
+    def _serves_in_place(self, store: DenseKV) -> bool:
+        """With the CPU as the compute device there is nothing to stream: the native steps read and
+        write the host stores in place (only the new token's write-back is counted, as ``host``)."""
+        return self.spec.device.type == "cpu" and super()._serves_in_place(store)
+
     def reserve(self, n_tokens: int) -> None:
         super().reserve(n_tokens)
         for slot in self._slots:
@@ -122,4 +127,5 @@ STRATEGY = KVStrategy(
     cost=_offloaded_cost,
     describe=lambda config: "offloaded KV (in RAM, streamed per layer)",
     moving_parts=3,
+    native="the host rows in place (with the CPU as the device there is nothing to stream)",
 )

@@ -21,7 +21,7 @@ import torch
 
 from hybridllm.config import KVConfig
 from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
-from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.base import RUN_FIELDS, InPlaceRows, KVCache, KVFormat, KVSpec, MemoryLedger, dense_format
 from hybridllm.kvcache.storage import DenseKV, QuantizedKV
 from hybridllm.kvcache.strategy import (KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes,
                                         stored_dtype, stored_spec)
@@ -123,6 +123,58 @@ class QuantizedCache(KVCache):
         if n_move < n_tail:
             recent.append(tail_k[:, :, n_move:], tail_v[:, :, n_move:])
 
+    # ---- in place (the native steps) ----------------------------------------------------------
+    def supports_in_place(self, layer_idx: int) -> bool:
+        spec = self.spec
+        return (spec.device.type == "cpu" and spec.batch_size == 1 and spec.dtype == torch.float32
+                and self._recent[layer_idx].storage_dtype in (torch.float32, torch.float16)
+                and spec.head_dim % 2 == 0 and spec.head_dim <= 512)
+
+    def in_place_rows(self, layer_indices, n_new: int) -> InPlaceRows:
+        """Two runs per layer: the packed tokens and the full-precision residual (with this step's
+        rows, written there); after the layer's attention the kernel quantizes the residual's
+        oldest tokens beyond ``residual`` (whole key groups) onto the packed ones."""
+        layers = list(layer_indices)
+        if not self.supports_in_place_layers(layers):
+            raise NotImplementedError("QuantizedCache: no in-place rows for these layers")
+        starts = {self._lengths[i] for i in layers}
+        if len(starts) != 1:
+            raise ValueError("in-place rows need every layer claimed at the same length")
+        start = starts.pop()
+        if start + n_new > self.spec.max_tokens:
+            raise ValueError(f"KV cache full: {start} + {n_new} tokens exceed {self.spec.max_tokens}")
+        packed_fmt = {(8, True): KVFormat.Q8, (4, True): KVFormat.Q4, (8, False): KVFormat.Q8_CHANNEL_KEYS,
+                      (4, False): KVFormat.Q4_CHANNEL_KEYS}[(self.bits, self.keys_per_token)]
+        runs = [{name: [] for name in RUN_FIELDS}, {name: [] for name in RUN_FIELDS}]
+        write_row, settle, settle_row = [], [], []
+        for i in layers:
+            packed, recent = self._packed[i], self._recent[i]
+            held, tail = packed.length, recent.length + n_new
+            moved = max(0, tail - self.residual) // self._granule * self._granule
+            recent.ensure(tail, cap=max(tail, recent.capacity))
+            packed.ensure(held + moved)
+            fields = packed.buffer.tensors  # k_codes (B, Hkv, capacity, D * bits / 8), ...; none before the first
+            address = {name: fields[name].data_ptr() if packed.capacity else 0
+                       for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")}
+            keys, values = recent.buffers()  # (B, Hkv, capacity, D)
+            for run, values_of in ((runs[0], {
+                    "format": int(packed_fmt), "group": packed.v_group, "key_group": packed.group,
+                    "position": 0, "tokens": held, "row0": 0, "capacity": packed.capacity,
+                    "k": address["k_codes"], "v": address["v_codes"], "k_scale": address["k_scale"],
+                    "k_zero": address["k_zero"], "v_scale": address["v_scale"], "v_zero": address["v_zero"]}),
+                    (runs[1], {"format": int(dense_format(recent.storage_dtype)), "group": 0, "key_group": 0,
+                               "position": held, "tokens": tail, "row0": 0, "capacity": keys.shape[2],
+                               "k": keys.data_ptr(), "v": values.data_ptr(), "k_scale": 0, "k_zero": 0,
+                               "v_scale": 0, "v_zero": 0})):
+                for name in RUN_FIELDS:
+                    run[name].append(values_of[name])
+            write_row.append(recent.length)
+            settle.append(moved)
+            settle_row.append(held)
+            packed.length, recent.length = held + moved, tail - moved  # as the kernel leaves them
+            self._lengths[i] = start + n_new
+        return InPlaceRows(start, runs, write=1, write_row=write_row, window=0, settle=settle, settle_row=settle_row)
+
     def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         packed_k, packed_v = self._packed[layer_idx].read()  # dequantized, oldest tokens
         recent_k, recent_v = self._recent[layer_idx].read()
@@ -184,4 +236,5 @@ STRATEGY = KVStrategy(
     cost=_quantized_cost,
     describe=lambda config: f"quantized int{config.kv_bits} KV",
     moving_parts=1,
+    native="int8/int4 groups read and written in place, the residual window beside them",
 )

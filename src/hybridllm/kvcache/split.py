@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from hybridllm.kvcache.base import TIERS, InPlaceSlot, KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.base import TIERS, InPlaceRows, KVCache, KVSpec, MemoryLedger, merge_in_place_rows
 from hybridllm.kvcache.dynamic import DynamicCache
 
 
@@ -95,9 +95,16 @@ class SplitCache(KVCache):
         part, local = self._route[layer_idx]
         return part.supports_in_place(local)
 
-    def in_place_slot(self, layer_idx: int, n_new: int) -> InPlaceSlot:
-        part, local = self._route[layer_idx]
-        return part.in_place_slot(local, n_new)
+    def in_place_rows(self, layer_indices, n_new: int) -> InPlaceRows:
+        """Each part's claim of its layers, merged into one description in the order given."""
+        by_part: dict[int, tuple[KVCache, list[int], list[int]]] = {}
+        for at, layer_idx in enumerate(layer_indices):
+            part, local = self._route[layer_idx]
+            entry = by_part.setdefault(id(part), (part, [], []))
+            entry[1].append(at)
+            entry[2].append(local)
+        claims = [(at, part.in_place_rows(local, n_new)) for part, at, local in by_part.values()]
+        return claims[0][1] if len(claims) == 1 else merge_in_place_rows(claims, len(layer_indices))
 
     def length(self, layer_idx: int) -> int:
         part, local = self._route[layer_idx]

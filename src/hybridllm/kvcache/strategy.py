@@ -64,6 +64,9 @@ class KVStrategy:
             host, keeping only a hot part on the device (so a new sequence needs room for that part).
         attention_options: it applies every layer's ``KVSpec.attention`` (sliding window, scale,
             soft-cap: Gemma); the others refuse a model that has any.
+        native: what the native steps read of it in place (a few words: its stores' layouts), or
+            "" where they cannot: its layers then attend through PyTorch, which the runtime says
+            in one warning (and ``doctor`` and the bench name).
     """
 
     name: str
@@ -75,6 +78,7 @@ class KVStrategy:
     moving_parts: int = 0
     spills_to_host: bool = False
     attention_options: bool = False
+    native: str = ""
 
     def memory(self, config: KVConfig, spec: KVSpec, n_tokens: int) -> dict[str, float]:
         """Bytes per tier the cache holds at ``n_tokens`` (the memory model)."""

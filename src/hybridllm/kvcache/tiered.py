@@ -24,7 +24,8 @@ import torch
 from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
-from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger, tensor_bytes
+from hybridllm.kvcache.base import (RUN_FIELDS, InPlaceRows, KVCache, KVFormat, KVSpec, MemoryLedger, dense_format,
+                                    tensor_bytes)
 from hybridllm.kvcache.paging import (
     PageTable,
     fraction_cold_pages,
@@ -160,6 +161,68 @@ class TieredCache(KVCache):
         """Tokens of a layer on the host."""
         return self._tables[layer_idx].cold_tokens
 
+    # ---- in place (the native steps) ----------------------------------------------------------
+    def supports_in_place(self, layer_idx: int) -> bool:
+        spec = self.spec
+        return (spec.device.type == "cpu" and spec.host_device.type == "cpu" and spec.batch_size == 1
+                and spec.dtype == torch.float32 and spec.head_dim % 2 == 0 and spec.head_dim <= 512)
+
+    def in_place_rows(self, layer_indices, n_new: int) -> InPlaceRows:
+        """Three runs per layer in position order: the sink tokens (the hot store's first rows), the
+        cold pages (dense, or quantized with per-channel keys), the newest hot tokens (this step's
+        rows written after them). The policy's page moves run here: the ones the last step left
+        (the PyTorch path makes them right after attending), then the room the new rows need."""
+        layers = list(layer_indices)
+        if not self.supports_in_place_layers(layers):
+            raise NotImplementedError("TieredCache: no in-place rows for these layers")
+        starts = {self._lengths[i] for i in layers}
+        if len(starts) != 1:
+            raise ValueError("in-place rows need every layer claimed at the same length")
+        start = starts.pop()
+        if start + n_new > self.spec.max_tokens:
+            raise ValueError(f"KV cache full: {start} + {n_new} tokens exceed {self.spec.max_tokens}")
+        runs = [{name: [] for name in RUN_FIELDS} for _ in range(3)]
+        write_row = []
+        for i in layers:
+            self._settle(i)
+            table, hot = self._tables[i], self._hot[i]
+            max_hot = self._max_hot_tokens(hot)
+            self._evict(i, pages_to_evict(table, n_new, self._target_cold_pages(table.length + n_new), max_hot))
+            hot.ensure(table.hot_tokens + n_new, cap=max_hot)
+            self._advance(i, n_new)
+            table.append(n_new)
+            write_row.append(hot.length)
+            hot.length += n_new  # the kernel writes rows write_row .. write_row + n_new - 1 itself
+            sinks, cold = table.sinks_held, self._cold[i]
+            keys, values = hot.buffers()  # (B, Hkv, capacity, D)
+            hot_fmt = int(dense_format(hot.storage_dtype))
+            hot_run = {"format": hot_fmt, "group": 0, "key_group": 0, "row0": 0, "capacity": keys.shape[2],
+                       "k": keys.data_ptr(), "v": values.data_ptr(), "k_scale": 0, "k_zero": 0, "v_scale": 0,
+                       "v_zero": 0}
+            described = [dict(hot_run, position=0, tokens=sinks), self._cold_run(cold, sinks),
+                         dict(hot_run, position=sinks + cold.length, tokens=hot.length - sinks, row0=sinks)]
+            for run, values_of in zip(runs, described):
+                for name in RUN_FIELDS:
+                    run[name].append(values_of[name])
+        return InPlaceRows(start, runs, write=2, write_row=write_row, window=0)
+
+    def _cold_run(self, cold: TokenStore, position: int) -> dict[str, int]:
+        """The cold pages of a layer as a run from ``position`` on."""
+        run = {"position": position, "tokens": cold.length, "row0": 0, "group": 0, "key_group": 0}
+        if cold.capacity == 0:  # nothing allocated yet: an empty run
+            return dict(run, format=0, capacity=0, k=0, v=0, k_scale=0, k_zero=0, v_scale=0, v_zero=0)
+        if isinstance(cold, DenseKV):
+            keys, values = cold.buffers()  # (B, Hkv, capacity, D)
+            return dict(run, format=int(dense_format(cold.storage_dtype)), capacity=keys.shape[2], k=keys.data_ptr(),
+                        v=values.data_ptr(), k_scale=0, k_zero=0, v_scale=0, v_zero=0)
+        fields = cold.buffer.tensors
+        fmt = KVFormat.Q8_CHANNEL_KEYS if cold.bits == 8 else KVFormat.Q4_CHANNEL_KEYS
+        return dict(run, format=int(fmt), group=cold.v_group, key_group=cold.group,
+                    capacity=fields["k_codes"].shape[2], k=fields["k_codes"].data_ptr(),
+                    v=fields["v_codes"].data_ptr(), k_scale=fields["k_scale"].data_ptr(),
+                    k_zero=fields["k_zero"].data_ptr(), v_scale=fields["v_scale"].data_ptr(),
+                    v_zero=fields["v_zero"].data_ptr())
+
     # ---- policy -------------------------------------------------------------------------
     def _target_cold_pages(self, length: int) -> int:
         if self.offload_percent is not None:
@@ -273,4 +336,5 @@ STRATEGY = KVStrategy(
     describe=lambda config: (f"tiered KV (hot window {config.kv_hot_window} tokens on the device, cold pages "
                              f"{config.kv_cold_bits}-bit in RAM)"),
     moving_parts=2,
+    native="sinks, cold pages (16-bit or int8/int4 groups) and the hot window read in place, merged exactly",
 )

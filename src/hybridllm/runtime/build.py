@@ -18,6 +18,8 @@ evaluation. The steps, each timed into the cold start:
 
 from __future__ import annotations
 
+import logging
+
 import os
 import time
 from dataclasses import dataclass, replace
@@ -32,6 +34,7 @@ from hybridllm.loading.loader import load_model
 from hybridllm.kernels.abi import kernels
 from hybridllm.kernels.build import KernelBuildError
 from hybridllm.kernels.native_linear import NATIVE_LAYOUT, NativeHostLayout
+from hybridllm.kvcache.registry import get_strategy
 from hybridllm.models.quantized import check_weights_mode, weights_format
 from hybridllm.placement.apply import (
     TierDevices,
@@ -46,6 +49,8 @@ from hybridllm.runtime.runner import ModelRunner, build_runner, choose_backend
 from hybridllm.runtime.runtime import Runtime
 from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
 from hybridllm.timing import ColdStart
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         weights_format=weights_format(model), build_host_runner=build_host_runner,
     )
     check_attention_options(placement.kv.kv_cache, runtime.kv_spec())  # one line now, not at the first request
+    runtime.native_kv = native_kv(runtime)
     if placement.decode_on == "host":
         t0 = time.perf_counter()
         runtime.migration()
@@ -153,6 +159,26 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         warm_up(runtime)
         cold_start.compile_s += time.perf_counter() - t0
     return runtime
+
+
+def native_kv(runtime: Runtime) -> bool:
+    """Whether the native steps read the runtime's KV strategy in place; says so in one warning
+    where they run layers but cannot read it (its attention then runs in PyTorch)."""
+    report = runtime.runner.report.build
+    if runtime.runner.backend.name != "native" or not getattr(report, "kernel_layers", 0):
+        return False
+    strategy = get_strategy(runtime.placement.kv.kv_cache)
+    probe = runtime.new_cache()
+    try:
+        reads = bool(strategy.native) and probe.supports_in_place_layers(range(runtime.config.n_layers))
+    finally:
+        probe.reset()
+    if not reads and strategy.native:
+        return False  # the strategy is read natively, just not in this configuration (a GPU tier, bfloat16)
+    if not reads:
+        logger.warning("native steps: the kernels cannot read the %s KV cache; its attention runs in PyTorch "
+                       "(slower; see `hybridllm doctor`)", strategy.name)
+    return reads
 
 
 def host_layout(backend: str) -> NativeHostLayout | None:

@@ -40,6 +40,8 @@ class Runtime:
         decode_weight_bytes: weight bytes one decode step reads.
         weights_format: "int4", "int8", "float32", ... (what the matrices run as).
         build_host_runner: makes the host runner for phase migration (called once, on first need).
+        native_kv: whether the native steps read the KV strategy's stores in place (False where the
+            kernels run no layer, or cannot read the strategy: its attention then runs in PyTorch).
     """
 
     checkpoint: Any
@@ -54,6 +56,7 @@ class Runtime:
     decode_weight_bytes: int
     weights_format: str
     build_host_runner: Callable[[], tuple[Any, dict[str, int]]]
+    native_kv: bool = False
     _migration: PhaseMigration | None = field(default=None, repr=False)
 
     @property

@@ -1,0 +1,68 @@
+"""Ours vs llama.cpp vs transformers on the models people run: real shapes as Q4_K_M files.
+
+Builds (once, into --folder) a GGUF file of each published config in configs/ with random weights,
+quantized to Q4_K_M by llama.cpp's own quantizer (hybridllm.bench.model_files), then measures
+every engine on each (hybridllm.bench.models_preset): decode at 512 and 8K (or the window), prefill
+at 2K, resident weights against the file's tensor bytes, peak RSS against llama.cpp's.
+
+    .venv/bin/python tools/models_bench.py --threads 2 [--models qwen2.5-0.5b,gemma-3-270m]
+        [--baseline llama.cpp,transformers] [--new-tokens 64] [--repeat 1] [--json out.json]
+        [--markdown out.md] [--folder ~/.cache/hybridllm/models] [--kv-dtype float16]
+
+Run it on a quiet machine (each configuration runs in its own process; the ratios compare engines
+measured in the same run). ``HYBRIDLLM_KERNEL_MARCH=x86-64-v3`` measures the AVX2 build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    from hybridllm.bench import models_preset, report
+    from hybridllm.bench.sweep import run_sweep
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(models_preset.MODELS))
+    parser.add_argument("--configs", default=str(Path(__file__).resolve().parents[1] / "configs"))
+    parser.add_argument("--folder", default="~/.cache/hybridllm/models")
+    parser.add_argument("--baseline", default="llama.cpp,transformers")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--kv-dtype", default="float16", help="our KV storage (llama.cpp's default cache is f16)")
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    baselines = [b.strip() for b in args.baseline.split(",") if b.strip() and b.strip() != "none"]
+    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    load_start = os.getloadavg()[0]
+    files = models_preset.model_files(names, args.configs, args.folder)
+    grid = models_preset.models_grid(files, baselines, new_tokens=args.new_tokens, threads=args.threads,
+                                     repeat=args.repeat, weights="auto", kv_options={"kv_dtype": args.kv_dtype})
+    rows = run_sweep(grid, progress=True)
+    models_preset.print_models(rows, files)
+    machine = report.machine_info()
+    command = "HYBRIDLLM_KERNEL_MARCH=" + os.environ.get("HYBRIDLLM_KERNEL_MARCH", "native") + " " + \
+        " ".join(shlex.quote(a) for a in [".venv/bin/python", "tools/models_bench.py", *sys.argv[1:]])
+    settings = {"command": command, "started": started, "load_average": [load_start, os.getloadavg()[0]],
+                "machine": machine, "files": {n: str(p) for n, p in files.items()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+    if args.markdown:
+        Path(args.markdown).write_text(
+            f"Measured {started[:16].replace('T', ' ')} UTC on {machine['cpu']}, {machine['cores']} cores "
+            f"(load average {load_start:.2f} at the start, {settings['load_average'][1]:.2f} at the end):\n\n"
+            f"```\n{command}\n```\n\n" + models_preset.table_markdown(rows, files) + "\n")
+
+
+if __name__ == "__main__":
+    main()
