@@ -421,9 +421,22 @@ def test_kv_table_shows_variants_bus_directions_and_pages():
            "bus_bytes_detail": {"h2d": 2048, "d2h": 1024}, "kv_pages_moved": 7, "kv_bytes": {"device": 1, "host": 0}}
     failed = {**_row(), "kv_cache": "tiered", "kv_options": {"kv_cold_bits": 4}, "status": "oom", "error": "no RAM"}
     (ok, bad) = kv_strategies.records([row, failed])
-    assert ok[:3] == ["4K", "tiny.gguf", "quantized-int4"] and ok[7:10] == ["2.0 KiB", "1.0 KiB", "7"]
+    assert ok[:3] == ["4K", "tiny.gguf", "quantized-int4"] and ok[9:12] == ["2.0 KiB", "1.0 KiB", "7"]
     assert bad[2] == "tiered-cold4" and bad[-1] == "oom: no RAM"
     assert kv_strategies.kv_markdown([row], {"threads": 2, "new_tokens": 16}).count("| 4K |") == 1
+
+
+def test_kv_table_puts_decode_next_to_dynamic_and_llama_cpps_kv_of_the_same_bits():
+    from hybridllm.bench import kv_strategies
+
+    rows = [{**_row(), "decode_tps": 100.0},
+            {**_row(), "kv_cache": "quantized", "kv_options": {"kv_bits": 8}, "decode_tps": 120.0},
+            {**_row(), "engine": "llama.cpp", "kv_cache": "q8_0", "decode_tps": 80.0},
+            {**_row(), "engine": "llama.cpp", "kv_cache": "f16", "decode_tps": 50.0}]
+    cells = kv_strategies.records(rows)
+    assert [c[2] for c in cells] == ["dynamic", "quantized-int8", "llama.cpp q8_0", "llama.cpp f16"]
+    assert [c[5] for c in cells] == ["1.00x", "1.20x", "-", "-"]  # vs our dynamic cache
+    assert [c[6] for c in cells] == ["2.00x", "1.50x", "-", "-"]  # vs llama.cpp's f16 / q8_0 KV
 
 
 def test_peers_table_ratio_to_llama_cpp_and_section():
@@ -474,3 +487,12 @@ def _row() -> dict:
     from hybridllm.bench.sweep import base_row
 
     return {**base_row(config), "status": "ok", "prefill_tps": 100.0, "decode_tps": 10.0}
+
+
+def test_kv_preset_runs_llama_cpps_kv_types_beside_ours():
+    from hybridllm.bench import presets
+
+    settings = presets.resolve("kv", contexts=[512], baselines=["llama.cpp"], kv_caches=["dynamic", "quantized"])
+    grid = presets.build_preset_grid(settings, new_tokens=4, model="m.gguf")
+    peers = [(c.engine, c.kv_cache) for c in grid if c.engine == "llama.cpp"]
+    assert peers == [("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0")]

@@ -37,8 +37,10 @@ KV_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "host": ("host", {}),
 }
 LONG_CONTEXT_CHOICES = ("random", "skip")
-HEADERS = ("context", "model", "KV cache", "prefill tok/s", "decode tok/s", "peak KV device", "peak KV host",
-           "bus h2d", "bus d2h", "pages moved", "status")
+HEADERS = ("context", "model", "KV cache", "prefill tok/s", "decode tok/s", "decode vs dynamic", "vs llama.cpp",
+           "peak KV device", "peak KV host", "bus h2d", "bus d2h", "pages moved", "status")
+# Our variant -> the llama.cpp KV type of the same bits (the "vs llama.cpp" column).
+LLAMA_CPP_PEER = {"dynamic": "f16", "quantized-int8": "q8_0", "quantized-int4": "q4_0"}
 
 
 def variant_name(kv_cache: str, kv_options: dict[str, Any]) -> str:
@@ -113,16 +115,36 @@ def build_variant_grid(
     return grid
 
 
+def row_variant(row: dict[str, Any]) -> str:
+    """The table's name of a row's KV: our variant, or the peer and its KV type."""
+    if row["engine"] != "hybridllm":
+        return f"{row['engine']} {row['kv_cache']}"
+    return variant_name(row["kv_cache"], row.get("kv_options") or {})
+
+
+def _ratio(value: float | None, reference: float | None) -> str:
+    return f"{value / reference:.2f}x" if value and reference else "-"
+
+
 def records(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
-    """Cells of the table: one line per row, in the sweep's order."""
+    """Cells of the table: one line per row, in the sweep's order; decode against our dynamic
+    cache and against llama.cpp's KV of the same bits at the same context."""
+    ok_rows = [r for r in rows if r["status"] == "ok"]
+    dynamic = {r["context"]: r["decode_tps"] for r in ok_rows if r["engine"] == "hybridllm" and row_variant(r) == "dynamic"}
+    peers = {(r["context"], r["kv_cache"]): r["decode_tps"] for r in ok_rows if r["engine"] == "llama.cpp"}
     out = []
     for row in rows:
         bus = row.get("bus_bytes_detail") or {}
         kv = row.get("kv_bytes") or {}
         ok = row["status"] == "ok"
+        name = row_variant(row)
+        ours = ok and row["engine"] == "hybridllm"
+        peer = peers.get((row["context"], LLAMA_CPP_PEER.get(name)))
         out.append([
-            report.fmt_context(row["context"]), row["model"], variant_name(row["kv_cache"], row.get("kv_options") or {}),
+            report.fmt_context(row["context"]), row["model"], name,
             report.fmt_rate(row.get("prefill_tps")), report.fmt_rate(row.get("decode_tps")),
+            _ratio(row.get("decode_tps"), dynamic.get(row["context"])) if ours else "-",
+            _ratio(row.get("decode_tps"), peer) if ours else "-",
             format_bytes(kv.get("device")), format_bytes(kv.get("host")),
             format_bytes(bus.get("h2d")) if ok else "-", format_bytes(bus.get("d2h")) if ok else "-",
             "-" if row.get("kv_pages_moved") is None else str(row["kv_pages_moved"]),

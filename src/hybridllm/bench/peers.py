@@ -61,7 +61,8 @@ def _our_prompt(config: BenchConfig, n_tokens: int, vocab_size: int) -> list[int
 class LlamaCppRunner:
     """llama.cpp (``llama_cpp.Llama``) on the configuration's GGUF file."""
 
-    KV_BYTES_PER_ELEMENT = 2  # llama.cpp's default KV type is f16
+    # llama.cpp's KV types: (GGML type id, bytes per element); quantized K/V need flash attention.
+    KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32), "q4_0": (2, 18 / 32)}
 
     def __init__(self, config: BenchConfig) -> None:
         if config.random_weights:
@@ -84,12 +85,16 @@ class LlamaCppRunner:
         threads: dict[str, Any] = {}
         if config.threads:
             threads = {"n_threads": config.threads, "n_threads_batch": config.threads}
+        kv_name = config.kv_cache if config.kv_cache in self.KV_TYPES else "f16"  # our strategy names: its default
+        kv_type, self.kv_bytes_per_element = self.KV_TYPES[kv_name]
+        kv = {} if kv_name == "f16" else {"type_k": kv_type, "type_v": kv_type, "flash_attn": True}
         self.llm = llama_cpp.Llama(
             model_path=str(path), n_ctx=config.context + config.new_tokens, n_batch=config.prefill_chunk,
-            n_gpu_layers=self.n_gpu_layers, seed=config.seed, verbose=False, **threads,
+            n_gpu_layers=self.n_gpu_layers, seed=config.seed, verbose=False, **threads, **kv,
         )
         self.weight_bytes = path.stat().st_size
-        self.variant = f"llama-cpp-python {_version('llama_cpp_python')}" + ("" if self.gpu else " (CPU)")
+        self.variant = (f"llama-cpp-python {_version('llama_cpp_python')}" + ("" if self.gpu else " (CPU)")
+                        + ("" if kv_name == "f16" else f", {kv_name} KV, flash attention"))
         self.memory = HostPeakMemory()
 
     def prompt(self, n_tokens: int) -> list[int]:
@@ -109,7 +114,7 @@ class LlamaCppRunner:
                 gpu_used.sample()
             if len(stamps) >= new_tokens:
                 break
-        kv_total = int(self.model_config.kv_bytes_per_token(self.KV_BYTES_PER_ELEMENT) * self.llm.n_ctx())
+        kv_total = int(self.model_config.kv_bytes_per_token(self.kv_bytes_per_element) * self.llm.n_ctx())
         if self.gpu:
             n_layers = self.model_config.n_layers
             layers_on = n_layers if self.n_gpu_layers < 0 else min(self.n_gpu_layers, n_layers)

@@ -48,10 +48,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Every KV strategy and its main variants side by side (hybridllm.bench.kv_strategies): decode
     # speed, peak KV bytes per tier, bus traffic, pages moved. Contexts beyond the default model's
     # window run on a random-weights model of its shape with the window raised.
+    # With --baseline llama.cpp, llama.cpp runs its f16, q8_0 and q4_0 KV types beside (the table's
+    # "vs llama.cpp" compares our int8 / int4 KV with its q8_0 / q4_0 at the same context).
     "kv": {
         "contexts": [1024, 4096, 16384],
         "kv_caches": ["dynamic", "offloaded", "quantized", "tiered", "host"],
         "kv_variants": ["dynamic", "offloaded", "quantized-int8", "quantized-int4", "tiered", "tiered-cold4", "host"],
+        "llama_cpp_caches": ["f16", "q8_0", "q4_0"],
         "long_context": "random",
         "decode_ons": [None],
         "baselines": [],
@@ -122,5 +125,6 @@ def build_preset_grid(settings: dict[str, Any], **common: Any) -> list:
     ours = build_variant_grid(settings["contexts"], variants, settings["decode_ons"], settings["n_gpu_layers"],
                               long_context=settings.get("long_context", "skip"), **common)
     peers = build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"], settings["n_gpu_layers"],
-                       settings["baselines"], include_ours=False, **common)
+                       settings["baselines"], include_ours=False,
+                       llama_cpp_caches=settings.get("llama_cpp_caches", ("f16",)), **common)
     return sorted(ours + peers, key=lambda config: config.context)  # stable: ours first at each context

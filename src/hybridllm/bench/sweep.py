@@ -34,6 +34,7 @@ STATUSES = ("ok", "error", "oom", "timeout", "skipped")
 # Our strategies that transformers has an equivalent of (DynamicCache, offloading, QuantizedCache).
 HF_CACHES = ("dynamic", "offloaded", "quantized")
 LLAMA_CPP_CACHE = "f16"  # llama.cpp's default KV type
+LLAMA_CPP_CACHES = ("f16", "q8_0", "q4_0")  # the KV types llama.cpp offers (type_k / type_v)
 ROW_MARKER = "HYBRIDLLM_BENCH_ROW "
 DEFAULT_TIMEOUT_S = 1800.0
 _OOM_PATTERNS = ("MemoryError", "OutOfMemoryError", "out of memory", "can't allocate memory",
@@ -50,7 +51,8 @@ class BenchConfig:
         random_weights: a Hugging Face ``config.json``: a model of that shape with random weights.
         context: prompt tokens (the prompt has exactly this many).
         new_tokens: tokens generated after the prompt (greedy, end-of-sequence ignored).
-        kv_cache: our KV strategy; for transformers its cache of the same kind; "f16" for llama.cpp.
+        kv_cache: our KV strategy; for transformers its cache of the same kind; llama.cpp's KV type
+            ("f16", its default, "q8_0" or "q4_0": flash attention on, as llama.cpp needs for them).
         decode_on: "device" or "host" (None: the engine's default, which is the device).
         n_gpu_layers: layers whose weights live on the device (None: the engine's default).
         repeat: measured runs in the same process after one warm-up; rows report the median.
@@ -231,14 +233,19 @@ def build_grid(
     n_gpu_layers: Sequence[int | None] = (None,),
     baselines: Sequence[str] = (),
     include_ours: bool = True,
+    llama_cpp_caches: Sequence[str] = (LLAMA_CPP_CACHE,),
     **common: Any,
 ) -> list[BenchConfig]:
     """Every configuration of the sweep, by context (smallest first), then engine and strategy.
 
     Our engine gets one configuration per (strategy, decode_on, n_gpu_layers). llama.cpp gets one
-    per n_gpu_layers; transformers one per cache kind among ``kv_caches`` that it has
-    (dynamic, offloaded, quantized), or its DynamicCache when none of them maps.
+    per (KV type of ``llama_cpp_caches``, n_gpu_layers); transformers one per cache kind among
+    ``kv_caches`` that it has (dynamic, offloaded, quantized), or its DynamicCache when none of
+    them maps.
     """
+    for name in llama_cpp_caches:
+        if name not in LLAMA_CPP_CACHES:
+            raise ConfigError(f"unknown llama.cpp KV type {name!r}; choose from {', '.join(LLAMA_CPP_CACHES)}")
     for name in kv_caches:
         get_strategy(name)  # a ConfigError naming the registered strategies
     for name in baselines:
@@ -254,9 +261,10 @@ def build_grid(
                         grid.append(BenchConfig(engine="hybridllm", context=context, kv_cache=kv,
                                                 decode_on=decode_on, n_gpu_layers=layers, **common))
         if "llama.cpp" in baselines:
-            for layers in n_gpu_layers:
-                grid.append(BenchConfig(engine="llama.cpp", context=context, kv_cache=LLAMA_CPP_CACHE,
-                                        n_gpu_layers=layers, **common))
+            for kv in llama_cpp_caches:
+                for layers in n_gpu_layers:
+                    grid.append(BenchConfig(engine="llama.cpp", context=context, kv_cache=kv, n_gpu_layers=layers,
+                                            **common))
         if "transformers" in baselines:
             for kv in hf_caches:
                 grid.append(BenchConfig(engine="transformers", context=context, kv_cache=kv, **common))
