@@ -204,12 +204,12 @@ def parse_context(text: str) -> int:
     lowered = text.strip().lower()
     value = int(lowered[:-1]) * 1024 if lowered.endswith("k") else int(lowered)
     if value < 1:
-        raise ValueError("a context must be >= 1 token")
+        raise ValueError("a prompt length must be >= 1 token")
     return value
 
 
 def parse_contexts(value: str | Sequence | None) -> list[int]:
-    return _parse_list(value, parse_context, "context")
+    return _parse_list(value, parse_context, "--prompt-tokens value")
 
 
 def parse_names(value: str | Sequence | None, allowed: Sequence[str], what: str) -> list[str]:
