@@ -442,7 +442,7 @@ def test_kv_table_shows_variants_bus_directions_and_pages():
            "bus_bytes_detail": {"h2d": 2048, "d2h": 1024}, "kv_pages_moved": 7, "kv_bytes": {"device": 1, "host": 0}}
     failed = {**_row(), "kv_cache": "tiered", "kv_options": {"kv_cold_bits": 4}, "status": "oom", "error": "no RAM"}
     (ok, bad) = kv_strategies.records([row, failed])
-    assert ok[:3] == ["4K", "tiny.gguf", "quantized-int4"] and ok[7:10] == ["2.0 KiB", "1.0 KiB", "7"]
+    assert ok[:3] == ["4K", "tiny", "quantized-int4"] and ok[7:10] == ["2.0 KiB", "1.0 KiB", "7"]
     assert bad[2] == "tiered-cold4" and bad[-1] == "oom: no RAM"
     assert kv_strategies.kv_markdown([row], {"threads": 2, "new_tokens": 16}).count("| 4K |") == 1
 
@@ -487,7 +487,7 @@ def test_cli_kv_preset_writes_its_table(tiny_gguf, tmp_path):
     ])
     assert result.exit_code == 0, result.output
     text = out.read_text()
-    assert "| 16 | llama.gguf | quantized-int8 |" in text and "| 16 | llama.gguf | quantized-int4 |" in text
+    assert "| 16 | llama | quantized-int8 |" in text and "| 16 | llama | quantized-int4 |" in text
 
 
 def _row() -> dict:
