@@ -130,7 +130,7 @@ def test_cli_bench_writes_every_output(tiny_gguf, tmp_path):
 
     out = {ext: tmp_path / f"bench.{ext}" for ext in ("json", "csv", "png", "md")}
     result = CliRunner().invoke(app, [
-        "bench", "--model", tiny_gguf, "--context", "16", "--new-tokens", "3", "--repeat", "1", "--threads", "1",
+        "bench", "--model", tiny_gguf, "--prompt-tokens", "16", "--new-tokens", "3", "--repeat", "1", "--threads", "1",
         "--no-warmup", "--json", str(out["json"]), "--csv", str(out["csv"]), "--plot", str(out["png"]),
         "--markdown", str(out["md"]), "--timeout", "300",
     ])
@@ -148,7 +148,7 @@ def test_cli_bench_passes_the_shared_kv_and_speed_flags(tiny_gguf, tmp_path):
 
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, [
-        "bench", "--model", tiny_gguf, "--context", "16", "--new-tokens", "2", "--repeat", "1", "--threads", "1",
+        "bench", "--model", tiny_gguf, "--prompt-tokens", "16", "--new-tokens", "2", "--repeat", "1", "--threads", "1",
         "--no-warmup", "--kv-cache", "tiered", "--kv-hot-window", "8", "--kv-opt", "sink_tokens=2", "--no-fuse",
         "--no-native-decode", "--json", str(out), "--timeout", "300",
     ])
@@ -160,13 +160,33 @@ def test_cli_bench_passes_the_shared_kv_and_speed_flags(tiny_gguf, tmp_path):
     assert row["kv_options"] == {"kv_hot_window": 8, "kv_sink_tokens": 2}
 
 
+@pytest.mark.parametrize("old_flag", ["-c", "--context"])
+def test_cli_bench_old_prompt_lengths_spelling_still_works_with_a_warning(tiny_gguf, tmp_path, old_flag):
+    """-c/--context on bench: the prompt lengths for one more release, with a deprecation warning
+    (everywhere else -c is --ctx-size); --help lists only --prompt-tokens."""
+    from hybridllm.cli import app
+
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--model", tiny_gguf, old_flag, "16", "--new-tokens", "2", "--repeat", "1", "--threads", "1",
+        "--no-warmup", "--baseline", "none", "--json", str(out), "--timeout", "300",
+    ])
+    assert result.exit_code == 0, result.output
+    assert "warning: bench's -c/--context (prompt lengths) is deprecated" in result.output
+    assert "use --prompt-tokens" in result.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["contexts"] == [16] and [row["context"] for row in data["rows"]] == [16]
+    helped = CliRunner().invoke(app, ["bench", "--help"], terminal_width=200).output
+    assert "--prompt-tokens" in helped and "--context" not in helped and " -c " not in helped
+
+
 def test_cli_speed_preset_stores_the_kv_in_float16_unless_told(tiny_gguf, tmp_path):
     from hybridllm.cli import app
 
     for extra, expected in (([], "float16"), (["--kv-dtype", "float32"], "float32")):
         out = tmp_path / "speed.json"
         result = CliRunner().invoke(app, [
-            "bench", "--preset", "speed", "--model", tiny_gguf, "--context", "16", "--new-tokens", "2",
+            "bench", "--preset", "speed", "--model", tiny_gguf, "--prompt-tokens", "16", "--new-tokens", "2",
             "--repeat", "1", "--threads", "1", "--no-warmup", "--baseline", "none", "--json", str(out), *extra,
         ])
         assert result.exit_code == 0, result.output
@@ -178,7 +198,8 @@ def test_cli_speed_preset_stores_the_kv_in_float16_unless_told(tiny_gguf, tmp_pa
 @pytest.mark.parametrize("args, needle", [
     (["--kv-cache", "bogus"], "unknown KV cache 'bogus'"),
     (["--baseline", "vllm"], "unknown baseline 'vllm'"),
-    (["--context", "abc"], "invalid context 'abc'"),
+    (["--prompt-tokens", "abc"], "invalid --prompt-tokens value 'abc'"),
+    (["--prompt-tokens", "16", "-c", "32"], "old spelling of --prompt-tokens"),
     (["--decode-on", "gpu"], "--decode-on value"),
     (["--preset", "nope"], "unknown preset"),
     (["--model", "/nonexistent/model.gguf"], "model not found"),
@@ -421,7 +442,7 @@ def test_kv_table_shows_variants_bus_directions_and_pages():
            "bus_bytes_detail": {"h2d": 2048, "d2h": 1024}, "kv_pages_moved": 7, "kv_bytes": {"device": 1, "host": 0}}
     failed = {**_row(), "kv_cache": "tiered", "kv_options": {"kv_cold_bits": 4}, "status": "oom", "error": "no RAM"}
     (ok, bad) = kv_strategies.records([row, failed])
-    assert ok[:3] == ["4K", "tiny.gguf", "quantized-int4"] and ok[9:12] == ["2.0 KiB", "1.0 KiB", "7"]
+    assert ok[:3] == ["4K", "tiny", "quantized-int4"] and ok[9:12] == ["2.0 KiB", "1.0 KiB", "7"]
     assert bad[2] == "tiered-cold4" and bad[-1] == "oom: no RAM"
     assert kv_strategies.kv_markdown([row], {"threads": 2, "new_tokens": 16}).count("| 4K |") == 1
 
@@ -474,12 +495,12 @@ def test_cli_kv_preset_writes_its_table(tiny_gguf, tmp_path):
 
     out = tmp_path / "kv.md"
     result = CliRunner().invoke(app, [
-        "bench", "--preset", "kv", "--model", tiny_gguf, "--context", "16", "--new-tokens", "2", "--kv-cache",
+        "bench", "--preset", "kv", "--model", tiny_gguf, "--prompt-tokens", "16", "--new-tokens", "2", "--kv-cache",
         "quantized", "--threads", "1", "--no-warmup", "--markdown", str(out), "--timeout", "300",
     ])
     assert result.exit_code == 0, result.output
     text = out.read_text()
-    assert "| 16 | llama.gguf | quantized-int8 |" in text and "| 16 | llama.gguf | quantized-int4 |" in text
+    assert "| 16 | llama | quantized-int8 |" in text and "| 16 | llama | quantized-int4 |" in text
 
 
 def _row() -> dict:

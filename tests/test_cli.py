@@ -218,3 +218,27 @@ def test_option_groups_refuse_a_flag_declared_twice():
         with_option_groups(twice, own=("kv_bits", "kv_hot_window"))  # kv_hot_window: not declared by it
     expanded = with_option_groups(twice, own=("kv_bits",))
     assert "kv_hot_window" in expanded.__signature__.parameters
+
+
+def test_c_means_ctx_size_in_every_command():
+    """One meaning per flag: -c is llama.cpp's context size wherever it exists; bench's prompt
+    lengths (--prompt-tokens) keep -c/--context only as a hidden, deprecated spelling for one release."""
+    import typer.main
+
+    from hybridllm.cli import app
+
+    def leaves(group, path=()):
+        for name, command in group.commands.items():
+            if hasattr(command, "commands"):
+                yield from leaves(command, (*path, name))
+            else:
+                yield " ".join((*path, name)), command
+
+    with_c = {name: param for name, command in leaves(typer.main.get_command(app))
+              for param in command.params if "-c" in param.opts}
+    assert {"generate", "chat", "serve", "bench"} <= set(with_c)
+    for name, param in with_c.items():
+        if name == "bench":
+            assert param.hidden and "--context" in param.opts
+        else:
+            assert "--ctx-size" in param.opts, name

@@ -16,6 +16,7 @@ from hybridllm.eval.perplexity import default_text_path, evaluate_perplexity, lo
 
 runner = CliRunner()
 JSON_KEYS = {"perplexity", "reference_perplexity", "delta_percent", "kl_divergence", "tokens"}
+SETUP_KEYS = {"model", "device", "text", "measured", "reference"}  # what was measured, against what
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +75,51 @@ def test_cli_json_has_exactly_the_promised_keys(tiny_q4, tiny_text):
                                  "--context", "32", "--weights", "int4", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output.strip().splitlines()[-1])
-    assert set(data) == JSON_KEYS
+    assert set(data) == JSON_KEYS | SETUP_KEYS
     assert data["tokens"] > 0 and data["kl_divergence"] > 0 and data["perplexity"] > 1
+    assert data["model"] == "tiny-q4_1" and data["text"] == str(tiny_text)
+    assert data["measured"] == {"weights": "int4", "weights_format": "int4", "dtype": "float32", "kv_cache": "dynamic"}
+    assert data["reference"] == {"weights": "float", "weights_format": "float32", "dtype": "float32",
+                                 "kv_cache": "dynamic"}
 
 
-def test_cli_plain_output_and_reference_shortcut(tiny_q4, tiny_text):
+def test_without_flags_it_measures_the_served_weights_against_the_float_reference(tiny_q4, tiny_text):
+    """No --weights or --device: what generate would serve (auto: the file's Q4_1 kept as int4, on
+    --device auto) against the float32 reference, named in the header; the delta is not float vs float."""
+    from hybridllm.config import resolve_device
+
+    plain = runner.invoke(app, ["eval", "perplexity", "--model", str(tiny_q4), "--text", str(tiny_text)])
+    assert plain.exit_code == 0, plain.output
+    lines = plain.output.splitlines()
+    assert lines[0].startswith(f"model      tiny-q4_1 on {resolve_device('auto')}, text ")
+    assert lines[1] == "measured   weights auto -> int4, float32 compute, dynamic KV  (as generate and serve run it)"
+    assert lines[2].startswith("reference  weights float -> float32, float32 compute, dynamic KV  (the same file")
+    delta = next(line for line in lines if line.startswith("delta"))
+    assert delta != "delta                +0.000 %" and delta != "delta                -0.000 %", delta
+    data = json.loads(runner.invoke(app, ["eval", "perplexity", "--model", str(tiny_q4), "--text", str(tiny_text),
+                                          "--json"]).output.strip().splitlines()[-1])
+    assert data["device"] == resolve_device("auto") and data["measured"]["weights"] == "auto"
+    assert data["measured"]["weights_format"] == "int4" and data["kl_divergence"] > 0
+    assert data["delta_percent"] != 0 and data["perplexity"] != data["reference_perplexity"]
+
+
+def test_cli_float_weights_are_the_reference_itself(tiny_q4, tiny_text):
     result = runner.invoke(app, ["eval", "perplexity", "--model", str(tiny_q4), "--text", str(tiny_text),
-                                 "--context", "32", "--max-tokens", "40"])
+                                 "--context", "32", "--max-tokens", "40", "--weights", "float"])
     assert result.exit_code == 0, result.output
+    assert "the measured configuration itself" in result.output
     assert "perplexity" in result.output and "delta                +0.000 %" in result.output
+
+
+@pytest.mark.slow
+def test_default_model_without_weight_flags_reports_its_q4_1_weights_delta():
+    result = runner.invoke(app, ["eval", "perplexity", "--max-tokens", "256", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output.strip().splitlines()[-1])
+    assert data["model"] == "SmolLM2-135M-Instruct.Q4_1"
+    assert data["measured"] == {"weights": "auto", "weights_format": "int4", "dtype": "float32", "kv_cache": "dynamic"}
+    assert data["reference"]["weights_format"] == "float32"
+    assert data["delta_percent"] != 0 and data["kl_divergence"] > 0
 
 
 @pytest.mark.parametrize("kv_args", [["--kv-cache", "quantized", "--kv-bits", "4", "--kv-residual", "8"],

@@ -265,3 +265,14 @@ def test_read_layer_returns_every_token_in_order(strategy):
         tolerance = 0.1 if strategy == "quantized" else 0
         assert got_k.shape == keys.shape
         assert torch.allclose(got_k.cpu(), keys, atol=tolerance) and torch.allclose(got_v.cpu(), keys, atol=tolerance)
+
+
+def test_placement_describes_the_cpu_as_the_cpu():
+    """What serve prints: on a CPU-only machine both tiers are the CPU ("30 layers on the CPU"); on a
+    GPU the split and the decode tier by device name."""
+    placement = Placement.from_n_gpu_layers(30, 30)
+    assert placement.describe("cpu") == "30 layers on the CPU"
+    assert placement.describe("cuda:0") == "30/30 layers on cuda:0, decode on cuda:0"
+    split = Placement.from_n_gpu_layers(30, 20, decode_on="host")
+    assert split.describe("cpu") == "30 layers on the CPU"
+    assert split.describe("cuda") == "20/30 layers on cuda, 10 on the CPU, decode on the CPU"

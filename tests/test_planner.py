@@ -251,6 +251,8 @@ def test_plan_to_dict_keys_and_placement_round_trip():
 def test_load_model_config_from_config_json():
     cfg, name, has_weights = load_model_config(MISTRAL_JSON)
     assert not has_weights and name == "mistral-7b.json"
+    _, default_name, default_has_weights = load_model_config(None)
+    assert default_has_weights and default_name == "SmolLM2-135M-Instruct.Q4_1"  # the name `models` shows
     assert (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size) == (32, 8, 128, 32000)
 
 

@@ -4,6 +4,8 @@ pressure instead of preempting."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from serving_helpers import CHAT_PROMPTS, MAX_TOKENS, reference
@@ -330,3 +332,39 @@ def test_batched_placements_equal_single_request_generate(tiny_folder, placement
         assert stats["bus_bytes"]["d2h"] > 0  # every prompt's KV crossed to the host
     if placement.get("n_gpu_layers") == 1:
         assert stats["bus_bytes"]["hidden_states"] > 0
+
+
+@pytest.mark.parametrize("loop_thread", [False, True])
+def test_a_cancelled_stream_ends_without_a_result_and_frees_its_kv(tiny_folder, loop_thread):
+    """``stream(..., cancel=)`` (chat's Ctrl-C): the stream ends before the next step, the request
+    is aborted and its KV freed, and the loop serves the next request as usual; whether the caller
+    steps the loop or the loop runs on its own thread (the server's way)."""
+    import threading
+
+    from hybridllm.engine.llm_engine import LLMEngine
+
+    llm = LLM(model=tiny_folder)
+    engine = LLMEngine(llm.runtime)
+    prompt = llm.encode_prompt("Hybrid inference splits")
+    cancel = threading.Event()
+    if loop_thread:
+        engine.scheduler.start()
+    try:
+        events = []
+        for event in engine.stream(prompt, long_params(200), cancel=cancel):
+            events.append(event)
+            if len(events) == 3:
+                cancel.set()
+        assert len(events) == 3 and all(event.result is None for event in events)
+        if loop_thread:  # the loop frees an aborted sequence at the start of its next step
+            deadline = time.monotonic() + 30
+            while engine.scheduler.num_running and time.monotonic() < deadline:
+                time.sleep(0.01)
+        sched = engine.scheduler
+        assert sched.num_running == sched.num_waiting == sched.reserved_bytes == 0
+        assert sched.ledger.current("device") == sched.ledger.current("host") == 0
+        after = engine.generate(prompt, long_params(5))
+        assert after.finish_reason == "length" and len(after.token_ids) == 5
+    finally:
+        if loop_thread:
+            engine.scheduler.stop()

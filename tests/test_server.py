@@ -118,6 +118,18 @@ def chat(client, model_id, prompt, **kw):
 
 
 # ---- basics ------------------------------------------------------------------------------------
+def test_startup_line_names_the_model_as_models_does_and_the_cpu(server, model_id):
+    """The line serve prints at start: the model's one name (as /v1/models, `models` and chat say
+    it) and, on a CPU-only machine, "layers on the CPU" (not "on the device")."""
+    from hybridllm.config import resolve_device
+
+    proc = server[1]
+    line = next(text for text in iter(proc.stderr.readline, "") if text.startswith("serving "))
+    assert line.startswith(f"serving {model_id} on http://127.0.0.1:"), line
+    if resolve_device("auto") == "cpu":
+        assert "30 layers on the CPU" in line and "device" not in line, line
+
+
 def test_models_health_and_openapi(server, client, model_id):
     base = server[0]
     assert model_id == "SmolLM2-135M-Instruct.Q4_1"

@@ -43,12 +43,12 @@ for stage in "${stages[@]}"; do
     test)
       run test 600 python3 -m pytest -q -p no:cacheprovider -m cuda tests ;;
     bench)  # the rows: ours (cuda-graph, eager) and transformers at 4K and 32K
-      run bench_cuda_graph 900 "${bench[@]}" --context 4K,32K --kv-cache dynamic --decode-backend cuda-graph \
+      run bench_cuda_graph 900 "${bench[@]}" --prompt-tokens 4K,32K --kv-cache dynamic --decode-backend cuda-graph \
         --baseline transformers --json "$OUT/bench_cuda_graph.json" --markdown "$OUT/bench_cuda_graph.md"
-      run bench_eager 600 "${bench[@]}" --context 4K,32K --kv-cache dynamic --decode-backend eager \
+      run bench_eager 600 "${bench[@]}" --prompt-tokens 4K,32K --kv-cache dynamic --decode-backend eager \
         --baseline none --json "$OUT/bench_eager.json" --markdown "$OUT/bench_eager.md" ;;
     tiered)  # cuda-graph serves dense KV only: the tiered row runs the eager backend
-      run bench_tiered 600 "${bench[@]}" --context 32K --kv-cache tiered --kv-offload-percent 90 \
+      run bench_tiered 600 "${bench[@]}" --prompt-tokens 32K --kv-cache tiered --kv-offload-percent 90 \
         --decode-backend eager --baseline none --json "$OUT/bench_tiered.json" --markdown "$OUT/bench_tiered.md" ;;
     profile)
       for context in 4096 32768; do

@@ -43,7 +43,9 @@ def ledger_bytes(llm: LLM, config: KVConfig, n_tokens: int) -> int:
 
 
 def perplexity(args: argparse.Namespace, flags: list[str]) -> dict:
+    # float32 weights on the CPU: the KV format is the only difference from the reference
     command = [str(Path(sys.executable).with_name("hybridllm")), "eval", "perplexity", "--threads", str(args.threads), "--json",
+               "--weights", "float", "--device", "cpu",
                "--context", str(args.context), "--max-tokens", str(args.max_tokens), *flags]
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -466,6 +466,14 @@ class EngineConfig:
         """Tokens a sequence may hold: the model's window, capped by ``ctx_size`` when set."""
         return min(model_window, self.ctx_size) if self.ctx_size else model_window
 
+    def describe_context(self, model_window: int) -> str:
+        """The context limit as messages name it: the user's cap (``--ctx-size``) when it is the
+        smaller, else the model's own window ("the model's context window is 8192 tokens")."""
+        length = self.context_length(model_window)
+        if length < model_window:
+            return f"the context size is {length} tokens (--ctx-size; the model's window is {model_window})"
+        return f"the model's context window is {length} tokens"
+
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)

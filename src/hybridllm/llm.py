@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -166,15 +167,19 @@ class LLM:
         """Generate ``params.n`` completions of ``prompt`` (they share the prompt's KV), by index."""
         return self.engine.generate_all(self.encode_prompt(prompt), params)
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the completion's text as it is generated."""
-        for event in self.engine.stream(self.encode_prompt(prompt), params or SamplingParams()):
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               cancel: threading.Event | None = None) -> Iterator[str]:
+        """Yield the completion's text as it is generated; setting ``cancel`` stops it (the
+        stream ends before the next step, its KV freed)."""
+        for event in self.engine.stream(self.encode_prompt(prompt), params or SamplingParams(), cancel):
             if event.text:
                 yield event.text
 
-    def stream_events(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamEvent]:
-        """Like :meth:`stream`, but the last event also carries the full result and metrics."""
-        yield from self.engine.stream(self.encode_prompt(prompt), params or SamplingParams())
+    def stream_events(self, prompt: Prompt, params: SamplingParams | None = None,
+                      cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+        """Like :meth:`stream`, but the last event also carries the full result and metrics (no
+        result when ``cancel`` stopped the request)."""
+        yield from self.engine.stream(self.encode_prompt(prompt), params or SamplingParams(), cancel)
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render chat messages with the model's own template."""

@@ -1,6 +1,6 @@
 """``hybridllm bench --preset multi-turn``: what the prefix cache saves a chat, turn by turn.
 
-A conversation with a long system prompt (``--context`` tokens) and ``--turns`` user turns is
+A conversation with a long system prompt (``--prompt-tokens`` tokens) and ``--turns`` user turns is
 played twice on the same model, in this process: with the prefix cache off (every turn prefills
 the whole conversation) and on (a turn prefills only what the previous turns did not hold). A
 third run measures a restart: an engine writes the first turn's pages to a disk tier and is

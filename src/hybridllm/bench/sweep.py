@@ -121,14 +121,14 @@ class BenchConfig:
 
     @property
     def model_label(self) -> str:
-        """Short model name for tables: the file or folder name, ``random:<config>`` for random weights."""
+        """Short model name for tables: the model's one name (``model_name``: the file's name without
+        ``.gguf``, as ``hybridllm models`` and the server show it), ``random:<config>`` for random weights."""
         if self.random_weights:
             return f"random:{Path(self.random_weights).stem}"
-        if self.model is None:
-            from hybridllm.loading.registry import DEFAULT_MODEL_FILE
+        from hybridllm.loading.local_models import model_name
+        from hybridllm.loading.registry import DEFAULT_MODEL_FILE
 
-            return DEFAULT_MODEL_FILE
-        return Path(self.model).name
+        return model_name(self.model or DEFAULT_MODEL_FILE)
 
     @property
     def series(self) -> tuple:
@@ -206,12 +206,12 @@ def parse_context(text: str) -> int:
     lowered = text.strip().lower()
     value = int(lowered[:-1]) * 1024 if lowered.endswith("k") else int(lowered)
     if value < 1:
-        raise ValueError("a context must be >= 1 token")
+        raise ValueError("a prompt length must be >= 1 token")
     return value
 
 
 def parse_contexts(value: str | Sequence | None) -> list[int]:
-    return _parse_list(value, parse_context, "context")
+    return _parse_list(value, parse_context, "--prompt-tokens value")
 
 
 def parse_names(value: str | Sequence | None, allowed: Sequence[str], what: str) -> list[str]:

@@ -15,7 +15,8 @@ import typer
 from hybridllm.cli.bench import bench
 from hybridllm.cli.doctor import doctor
 from hybridllm.cli.eval import lm_eval, perplexity
-from hybridllm.cli.generate import chat, generate
+from hybridllm.cli.chat import chat
+from hybridllm.cli.generate import generate
 from hybridllm.cli.models import models
 from hybridllm.cli.plan import plan
 from hybridllm.cli.quantize import quantize

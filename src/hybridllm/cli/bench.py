@@ -49,6 +49,18 @@ def _parse_kv_options(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
+def prompt_lengths_flag(prompt_tokens: str | None, old_spelling: str | None) -> str | None:
+    """``--prompt-tokens``, or its old spelling ``-c``/``--context`` with a deprecation warning (kept
+    for one release: everywhere else ``-c`` is ``--ctx-size``, as in llama.cpp)."""
+    if old_spelling is None:
+        return prompt_tokens
+    if prompt_tokens is not None:
+        raise ConfigError("-c/--context is the old spelling of --prompt-tokens; give only --prompt-tokens")
+    typer.echo("warning: bench's -c/--context (prompt lengths) is deprecated and will be removed in the next "
+               "release; use --prompt-tokens (-c will then mean --ctx-size, as in generate and serve)", err=True)
+    return old_spelling
+
+
 def _scalar(text: str) -> Any:
     for kind in (int, float):
         try:
@@ -62,7 +74,8 @@ def _scalar(text: str) -> Any:
 def bench(
     model: ModelOptions = ModelOptions(device="auto"),
     random_weights: Annotated[Optional[Path], typer.Option("--random-weights", help="A Hugging Face config.json (e.g. configs/llama-3.2-1b.json): that shape with random weights, nothing downloaded.")] = None,
-    context: Annotated[Optional[str], typer.Option("--context", "-c", help="Prompt lengths in tokens, comma-separated: 1024,4096 or 1K,4K.")] = None,
+    prompt_tokens: Annotated[Optional[str], typer.Option("--prompt-tokens", help="Prompt lengths in tokens, comma-separated: 1024,4096 or 1K,4K (llama-bench's -p; --preset multi-turn: the system prompt's length).")] = None,
+    old_prompt_tokens: Annotated[Optional[str], typer.Option("--context", "-c", hidden=True, help="Deprecated: the old spelling of --prompt-tokens (-c will mean --ctx-size, as in every other command).")] = None,
     ctx_size: Annotated[int, typer.Option("--ctx-size", help="Our engine's context size in tokens (sizes the KV); 0: the model's window.", rich_help_panel=MODEL_PANEL)] = 0,
     new_tokens: Annotated[Optional[int], typer.Option("--new-tokens", "-n", help="Tokens generated after the prompt (greedy, EOS ignored).")] = None,
     kv_cache: Annotated[Optional[str], typer.Option("--kv-cache", help="Our KV strategies, comma-separated: dynamic,offloaded,quantized,tiered,host.", rich_help_panel=KV_PANEL)] = None,
@@ -70,7 +83,7 @@ def bench(
     n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device, comma-separated (also passed to llama.cpp).", rich_help_panel=PLACEMENT_PANEL)] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Peers measured the same way, comma-separated: llama.cpp,transformers (or none).")] = None,
     repeat: Annotated[Optional[int], typer.Option("--repeat", "-r", help="Measured runs per configuration (median and spread reported).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers), speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit), kv (every KV strategy and variant: bytes per tier, bus traffic), planner (the planner's predicted vs measured decode, in this process) or multi-turn (TTFT per chat turn with the prefix cache off and on, and after a restart from disk; --context sets the system prompt, --turns the turns).")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers), speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit), kv (every KV strategy and variant: bytes per tier, bus traffic), planner (the planner's predicted vs measured decode, in this process) or multi-turn (TTFT per chat turn with the prefix cache off and on, and after a restart from disk; --prompt-tokens sets the system prompt, --turns the turns).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Write the plots as one PNG.")] = None,
@@ -85,7 +98,7 @@ def bench(
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
 ) -> None:
-    """Measure prefill and decode over a grid of contexts, KV strategies and placements, and peers."""
+    """Measure prefill and decode over a grid of prompt lengths, KV strategies and placements, and peers."""
     from hybridllm.bench import kv_strategies, peers_report, presets, report
     from hybridllm.bench.sweep import (
         BASELINES,
@@ -101,12 +114,13 @@ def bench(
 
     if model.path is not None and random_weights is not None:
         raise ConfigError("give either --model or --random-weights, not both")
+    prompt_tokens = prompt_lengths_flag(prompt_tokens, old_prompt_tokens)
     baselines = None
     if baseline is not None:
         baselines = [] if baseline.strip().lower() in ("", "none") else parse_names(baseline, BASELINES, "baseline")
     settings = presets.resolve(
         preset,
-        contexts=parse_contexts(context) if context is not None else None,
+        contexts=parse_contexts(prompt_tokens) if prompt_tokens is not None else None,
         kv_caches=parse_names(kv_cache, KV_STRATEGIES, "KV cache") if kv_cache is not None else None,
         decode_ons=parse_names(decode_on, DECODE_ON, "--decode-on value") if decode_on is not None else None,
         n_gpu_layers=parse_layers(n_gpu_layers) if n_gpu_layers is not None else None,
@@ -114,7 +128,7 @@ def bench(
         new_tokens=new_tokens,
         repeat=repeat,
     )
-    for key, what in (("contexts", "--context"), ("kv_caches", "--kv-cache"), ("decode_ons", "--decode-on"),
+    for key, what in (("contexts", "--prompt-tokens"), ("kv_caches", "--kv-cache"), ("decode_ons", "--decode-on"),
                       ("n_gpu_layers", "--n-gpu-layers")):
         if not settings[key]:
             raise ConfigError(f"{what} needs at least one value")

@@ -36,15 +36,24 @@ def perplexity(
     context: Annotated[int, typer.Option("--context", help="Tokens per window (non-overlapping; each starts with an empty cache).")] = 512,
     chunk: Annotated[int, typer.Option("--chunk", help="Tokens per forward pass inside a window (what the KV cache sees at once).")] = 64,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Use only the first N tokens of the text.")] = None,
-    weights: Weights = "float",
+    weights: Weights = "auto",
     dtype: Dtype = "float32",
-    device: Device = "cpu",
+    device: Device = "auto",
     threads: Threads = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     kv: KVOptions = KVOptions(),
 ) -> None:
-    """Perplexity of a configuration, its delta vs the float32 model, and the KL divergence."""
-    from hybridllm.eval.perplexity import encode_text, evaluate_perplexity, is_reference_config, load_text
+    """Perplexity of the model as generate and serve run it (default: --weights auto, the file's own
+    4/8-bit weights, on --device auto), its delta vs the float32 reference of the same file, and the
+    KL divergence between them."""
+    from hybridllm.eval.perplexity import (
+        DEFAULT_TEXT_NAME,
+        encode_text,
+        evaluate_perplexity,
+        is_reference_config,
+        load_text,
+    )
+    from hybridllm.loading.local_models import model_name
 
     if max_tokens is not None and max_tokens < 2:
         raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
@@ -59,6 +68,18 @@ def perplexity(
         reference = load_llm(dataclasses.replace(engine, dtype="float32"), PlacementOptions(weights="float"),
                              KVOptions(), SpeedOptions())
     ids = encode_text(llm, body, max_tokens)
+    measured = {"weights": weights, "weights_format": llm.weights_format, "dtype": dtype, "kv_cache": kv.kv_cache}
+    baseline = {"weights": "float", "weights_format": reference.weights_format, "dtype": "float32",
+                "kv_cache": "dynamic"}
+    setup = {"model": model_name(llm.checkpoint.path), "device": llm.engine_config.device,
+             "text": str(text) if text is not None else "data/eval/" + DEFAULT_TEXT_NAME,
+             "measured": measured, "reference": baseline}
+    if not as_json:
+        served = weights == "auto" and dtype == ModelOptions().dtype and kv == KVOptions()
+        typer.echo(f"model      {setup['model']} on {setup['device']}, text {setup['text']}")
+        typer.echo(f"measured   {describe_config(measured)}" + ("  (as generate and serve run it)" if served else ""))
+        typer.echo(f"reference  {describe_config(baseline)}  (the same file's weights in float32"
+                   + ("; the measured configuration itself)" if reference is llm else ")"))
 
     def progress(done: int, total: int) -> None:
         if not as_json and sys.stderr.isatty():
@@ -66,13 +87,18 @@ def perplexity(
 
     result = evaluate_perplexity(llm.runtime, reference.runtime, ids, context=context, chunk=chunk, progress=progress)
     if as_json:
-        typer.echo(json.dumps(result.to_dict()))
+        typer.echo(json.dumps({**result.to_dict(), **setup}))
         return
-    typer.echo(f"perplexity           {result.perplexity:.4f}  (weights {llm.weights_format}, KV {kv.kv_cache})")
-    typer.echo(f"reference perplexity {result.reference_perplexity:.4f}  (float32 weights, dynamic KV)")
+    typer.echo(f"perplexity           {result.perplexity:.4f}  (measured)")
+    typer.echo(f"reference perplexity {result.reference_perplexity:.4f}  (float32 reference)")
     typer.echo(f"delta                {result.delta_percent:+.3f} %")
-    typer.echo(f"KL divergence        {result.kl_divergence:.6f} nats/token")
+    typer.echo(f"KL divergence        {result.kl_divergence:.6f} nats/token  (reference || measured)")
     typer.echo(f"tokens scored        {result.tokens}  (context {context}, chunk {chunk})")
+
+
+def describe_config(config: dict[str, str]) -> str:
+    """``weights auto -> int4, float32 compute, dynamic KV``: a configuration as requested and as run."""
+    return f"weights {config['weights']} -> {config['weights_format']}, {config['dtype']} compute, {config['kv_cache']} KV"
 
 
 @with_option_groups(own=("kv_cache", "weights"))

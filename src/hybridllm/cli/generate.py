@@ -1,4 +1,4 @@
-"""``hybridllm generate`` and ``hybridllm chat``: one completion, or an interactive chat."""
+"""``hybridllm generate``: one completion, with what each phase cost (``chat`` is :mod:`hybridllm.cli.chat`)."""
 
 from __future__ import annotations
 
@@ -95,56 +95,3 @@ def read_stdin_text() -> str:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"standard input is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
                           f"convert it first, e.g. with iconv -t UTF-8") from None
-
-
-@with_option_groups
-def chat(
-    model: ModelOptions = ModelOptions(),
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 512,
-    temperature: Annotated[float, typer.Option("--temperature", "--temp")] = 0.7,
-    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed")] = None,
-    system: Annotated[Optional[str], typer.Option("--system", help="System message.")] = None,
-    placement: PlacementOptions = PlacementOptions(),
-    kv: KVOptions = KVOptions(),
-    speed: SpeedOptions = SpeedOptions(),
-    prefix: PrefixCacheOptions = PrefixCacheOptions(prefix_cache_ram="auto"),
-) -> None:
-    """Interactive chat that streams tokens. /reset clears the history, /exit (or Ctrl-D) quits."""
-    from hybridllm.config import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    llm = load_llm(model, placement, kv, speed, prefix)
-    if not llm.tokenizer.has_chat_template:
-        raise ConfigError("this model has no chat template; use `hybridllm generate --no-chat` instead")
-    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    typer.echo(f"{llm.config.name or 'model'} ready. /reset clears the history, /exit quits.", err=True)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            typer.echo("", err=True)
-            return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            history = history[:1] if system else []
-            continue
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        reply = []
-        result = None
-        for event in llm.stream_events(history, params):
-            if event.result is not None:
-                result = event.result
-            else:
-                reply.append(event.text)
-                typer.echo(event.text, nl=False)
-        typer.echo("")
-        m = result.metrics
-        typer.echo(
-            f"[{m['generated_tokens']} tokens, TTFT {m['ttft_s']:.3f} s, "
-            f"{(m['decode_tps'] or 0):.1f} tok/s]", err=True,
-        )
-        history.append({"role": "assistant", "content": "".join(reply)})

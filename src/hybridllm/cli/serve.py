@@ -101,7 +101,6 @@ def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: st
     app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes)
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
-               f"KV {scheduler.kv_strategy}, {llm.placement.n_gpu_layers}/{llm.config.n_layers} layers on the "
-               f"device, decode on the {llm.placement.decode_on})", err=True)
+               f"KV {scheduler.kv_strategy}, {llm.placement.describe(llm.engine_config.device)})", err=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace)
     GracefulServer(config, app.state.draining, scheduler, grace_s=shutdown_grace).run()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,8 @@ from hybridllm.engine.scheduler import Scheduler
 from hybridllm.kvcache.prefix_cache import PrefixCache
 from hybridllm.engine.sequence import SeqEvent
 from hybridllm.errors import ConfigError, HybridLLMError
+
+CANCEL_POLL_S = 0.05  # how often a caller waiting for the loop's thread looks at its cancel event
 
 
 @dataclass
@@ -82,9 +85,14 @@ class LLMEngine:
         results = [event.result for event in self.stream(prompt_ids, params) if event.result is not None]
         return sorted(results, key=lambda result: result.index)
 
-    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[StreamEvent]:
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams,
+               cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
         """Run a request, yielding text pieces as they are decided; each sequence's last event
-        has its result (one sequence unless ``params.n > 1``: events carry their ``index``)."""
+        has its result (one sequence unless ``params.n > 1``: events carry their ``index``).
+
+        ``cancel``: once set (from any thread, or a signal handler), the stream ends before the
+        loop's next step, without a result, and the request's KV is freed (chat's Ctrl-C).
+        """
         prompt = [int(t) for t in prompt_ids]
         events: queue.SimpleQueue[SeqEvent] = queue.SimpleQueue()
         request_id = f"generate-{next(self._ids)}"
@@ -93,7 +101,9 @@ class LLMEngine:
         finished = False
         try:
             while not finished:
-                event = self._next_event(events)
+                event = self._next_event(events, cancel)
+                if event is None:  # cancelled: the finally aborts the request
+                    return
                 if event.error is not None:
                     unfinished -= 1
                     finished = unfinished == 0  # else the finally aborts the request's other sequences
@@ -162,10 +172,21 @@ class LLMEngine:
                 self.scheduler.step()
         return results
 
-    def _next_event(self, events: queue.SimpleQueue[SeqEvent]) -> SeqEvent:
-        """The sequence's next event: step the loop here, or wait for the loop's thread."""
+    def _next_event(self, events: queue.SimpleQueue[SeqEvent],
+                    cancel: threading.Event | None = None) -> SeqEvent | None:
+        """The sequence's next event: step the loop here, or wait for the loop's thread; None
+        as soon as ``cancel`` is set (checked between steps)."""
         while events.empty() and not self.scheduler.is_running:
+            if cancel is not None and cancel.is_set():
+                return None
             self.scheduler.step()
+        while cancel is not None:
+            if cancel.is_set():
+                return None
+            try:
+                return events.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                continue
         return events.get()
 
 

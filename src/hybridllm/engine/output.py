@@ -12,14 +12,19 @@ from hybridllm.config import SamplingParams
 from hybridllm.errors import ContextOverflowError
 
 
-def check_prompt(prompt: Sequence[int], context_length: int, vocab_size: int) -> None:
-    """A prompt must be non-empty, shorter than the context window, and use known token ids."""
+def check_prompt(prompt: Sequence[int], context_length: int, vocab_size: int,
+                 context_description: str | None = None) -> None:
+    """A prompt must be non-empty, shorter than the context window, and use known token ids.
+
+    ``context_description``: the limit in words (``Runtime.context_description``: the user's
+    ``--ctx-size`` cap or the model's window); None: the model's window of ``context_length``.
+    """
     if not prompt:
         raise ContextOverflowError("the prompt is empty: give at least one token")
     if len(prompt) >= context_length:
+        limit = context_description or f"the model's context window is {context_length} tokens"
         raise ContextOverflowError(
-            f"the prompt has {len(prompt)} tokens but the model's context window is {context_length}; "
-            f"shorten it to at most {context_length - 1} tokens"
+            f"the prompt has {len(prompt)} tokens but {limit}; shorten it to at most {context_length - 1} tokens"
         )
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:

@@ -239,7 +239,7 @@ class Scheduler:
 
     def check_prompt(self, prompt: list[int]) -> None:
         """The prompt rules: non-empty, shorter than the context, ids in the vocabulary."""
-        check_prompt(prompt, self.context_length, self.vocab_size)
+        check_prompt(prompt, self.context_length, self.vocab_size, self.runtime.context_description)
 
     def check_params(self, params: SamplingParams) -> None:
         """What sampling parameters must fit in this loop: ``logit_bias`` ids in the vocabulary,

@@ -162,7 +162,8 @@ class HybridLLMEvalModel(TemplateLM):
             until = handle_stop_sequences(options.pop("until", None), eos=eos)
             max_new = int(options.pop("max_gen_toks"))
             if max_new >= self.max_length:
-                raise ConfigError(f"max_gen_toks {max_new} does not fit in the context window of {self.max_length + 1}")
+                raise ConfigError(f"max_gen_toks {max_new} leaves no room for a prompt: "
+                                  f"{self.runtime.context_description}")
             ids = self.tok_encode(context)[-(self.max_length - max_new):]  # room for the new tokens
             prompts.append(ids or [self.prefix_token_id])
             params.append(sampling_params(options, until, max_new))

@@ -26,7 +26,8 @@ class LocalModel:
     """One model found on this machine.
 
     Attributes:
-        name: what to pass as ``--model`` (a repo id for the Hugging Face cache, else the file name).
+        name: the model's name (:func:`model_name`: what the server and chat call it), which
+            ``--model`` also takes: a GGUF file's name without ``.gguf``, a cached folder's repo id.
         path: the GGUF file or the Hugging Face folder.
         source: "default model" or "huggingface cache".
         file_format: "gguf" or "safetensors".
@@ -47,6 +48,24 @@ class LocalModel:
         out = asdict(self)
         out["path"] = str(self.path)
         return out
+
+
+def model_name(path: str | os.PathLike) -> str:
+    """A model's one name, as ``hybridllm models`` lists it, the server serves it (its model id)
+    and chat greets with it: a GGUF (or safetensors) file's name without its suffix
+    (``SmolLM2-135M-Instruct.Q4_1``), a Hugging Face cache snapshot folder's repo id
+    (``org/name``), else the folder's name. Never the file's own ``general.name`` metadata."""
+    p = Path(path)
+    if p.suffix in (GGUF_SUFFIX, ".safetensors"):
+        return p.stem
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith("models--"):
+        return repo_id_of(p.parent.parent)
+    return p.name
+
+
+def repo_id_of(repo_folder: Path) -> str:
+    """``models--org--name`` (a Hugging Face cache repo folder) -> ``org/name``."""
+    return repo_folder.name.removeprefix("models--").replace("--", "/", 1)
 
 
 def hf_hub_dir() -> Path:
@@ -116,19 +135,18 @@ def model_paths(default_model: Path | None = None) -> list[tuple[str, Path, str]
     (``default_model``, when installed) first, then the Hugging Face cache's repos, by name."""
     found: list[tuple[str, Path, str]] = []
     if default_model is not None and default_model.is_file():
-        found.append((default_model.name, default_model, "default model"))
+        found.append((model_name(default_model), default_model, "default model"))
     hub = hf_hub_dir()
     if hub.is_dir():
         for repo in sorted(hub.glob("models--*")):
-            repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
-            snapshot = repo_snapshot(repo_id, hub)
+            snapshot = repo_snapshot(repo_id_of(repo), hub)
             if snapshot is None:
                 continue
             ggufs = sorted(snapshot.rglob(f"*{GGUF_SUFFIX}"))
             for gguf in ggufs:
-                found.append((repo_id if len(ggufs) == 1 else gguf.name, gguf, "huggingface cache"))
+                found.append((model_name(gguf), gguf, "huggingface cache"))
             if not ggufs and is_hf_folder(snapshot):
-                found.append((repo_id, snapshot, "huggingface cache"))
+                found.append((model_name(snapshot), snapshot, "huggingface cache"))
     return found
 
 

@@ -54,6 +54,19 @@ class Placement:
     def n_gpu_layers(self) -> int:
         return sum(t == "device" for t in self.layer_tiers)
 
+    def describe(self, device: str) -> str:
+        """Where the layers and decoding run, in words, for the device the "device" tier maps to:
+        "30 layers on the CPU" when that is the CPU (both tiers are then the CPU), else e.g.
+        "20/30 layers on cuda:0, 10 on the CPU, decode on cuda:0"."""
+        n_layers = len(self.layer_tiers)
+        if device.split(":")[0] == "cpu":
+            return f"{n_layers} layers on the CPU"
+        parts = [f"{self.n_gpu_layers}/{n_layers} layers on {device}"]
+        if self.n_gpu_layers < n_layers:
+            parts.append(f"{n_layers - self.n_gpu_layers} on the CPU")
+        parts.append(f"decode on {'the CPU' if self.decode_on == 'host' else device}")
+        return ", ".join(parts)
+
     @classmethod
     def all_on_device(cls, n_layers: int, **kwargs: Any) -> "Placement":
         return cls(layer_tiers=["device"] * n_layers, **kwargs)

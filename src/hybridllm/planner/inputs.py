@@ -9,6 +9,7 @@ from typing import Any
 
 from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError, ModelLoadError
+from hybridllm.loading.local_models import model_name
 from hybridllm.loading.registry import default_model_path, open_checkpoint
 from hybridllm.planner.memory import GB
 from hybridllm.planner.roofline import Hardware
@@ -29,11 +30,11 @@ DEFAULT_HOST_TOKEN_OVERHEAD_S = 1e-3
 def load_model_config(model: str | Path | None) -> tuple[ModelConfig, str, bool]:
     """(config, display name, whether it has weights) of a GGUF file, an HF folder or a config.json.
 
-    A ``config.json`` (or a folder holding only one) gives the numbers without any weights.
+    A ``config.json`` (or a folder holding only one) gives the numbers without any weights. A
+    model's display name is its one name (:func:`~hybridllm.loading.local_models.model_name`).
     """
     if model is None:
-        path = default_model_path()
-        return open_checkpoint(path).config, path.name, True
+        model = default_model_path()
     path = Path(model).expanduser()
     config_file = None
     if path.suffix == ".json":
@@ -41,7 +42,8 @@ def load_model_config(model: str | Path | None) -> tuple[ModelConfig, str, bool]
     elif path.is_dir() and (path / "config.json").is_file() and not any(path.glob("*.safetensors")):
         config_file = path / "config.json"
     if config_file is None:
-        return open_checkpoint(path).config, path.name, True
+        checkpoint = open_checkpoint(path)
+        return checkpoint.config, model_name(checkpoint.path), True
     try:
         data = json.loads(config_file.read_text())
     except FileNotFoundError:

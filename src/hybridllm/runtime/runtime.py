@@ -68,6 +68,11 @@ class Runtime:
         """Tokens a sequence may hold (prompt + generated): the model's window, or ``--ctx-size``."""
         return self.engine_config.context_length(self.config.max_position_embeddings)
 
+    @property
+    def context_description(self) -> str:
+        """The context limit in words: the user's ``--ctx-size`` cap or the model's window (messages)."""
+        return self.engine_config.describe_context(self.config.max_position_embeddings)
+
     # ---- KV ------------------------------------------------------------------------------
     def kv_spec(self) -> KVSpec:
         """Shape and devices of this model's KV."""

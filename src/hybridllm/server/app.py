@@ -48,6 +48,7 @@ from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.scheduler import AdmissionError, QueueFullError, Scheduler, SeqEvent
 from hybridllm.engine.structured import GrammarError
 from hybridllm.errors import HybridLLMError
+from hybridllm.loading.local_models import model_name
 from hybridllm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from hybridllm.server.fingerprint import system_fingerprint
 from hybridllm.server.logprobs import TokenText, chat_logprobs, completion_logprobs, join_completion_logprobs
@@ -90,11 +91,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def default_model_name(llm: Any) -> str:
-    """The served model id: the checkpoint's file or folder name (``SmolLM2-135M-Instruct.Q4_1``)."""
+    """The served model id: the model's one name (:func:`~hybridllm.loading.local_models.model_name`,
+    ``SmolLM2-135M-Instruct.Q4_1``), as ``hybridllm models`` and chat show it."""
     path = getattr(getattr(llm, "checkpoint", None), "path", None)
     if path is not None:
-        p = Path(path)
-        return p.stem if p.suffix in (".gguf", ".safetensors") else p.name
+        return model_name(path)
     return llm.config.name or "hybridllm"
 
 
@@ -250,18 +251,17 @@ def create_app(
         if (req.n or 1) > scheduler.max_batch:
             raise APIError(400, f"n={req.n} choices do not fit in this server's batch of {scheduler.max_batch} "
                            f"sequences; lower n", param="n")
-        ctx = scheduler.context_length
+        ctx, limit = scheduler.context_length, scheduler.runtime.context_description
         if prompt_len >= ctx:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context window is {ctx}; "
+            raise APIError(400, f"the prompt has {prompt_len} tokens but {limit}; "
                            f"shorten it", param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
                            code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else ctx - prompt_len
         if prompt_len + max_tokens > ctx:
-            raise APIError(400, f"this model's context window is {ctx} tokens, but {prompt_len + max_tokens} were "
-                           f"requested ({prompt_len} in the prompt, {max_tokens} for the completion); lower "
-                           f"max_tokens to at most {ctx - prompt_len}", param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(400, f"{prompt_len + max_tokens} tokens were requested ({prompt_len} in the prompt, "
+                           f"{max_tokens} for the completion) but {limit}; lower max_tokens to at most "
+                           f"{ctx - prompt_len}", param="max_tokens", code="context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported", param="stop")
