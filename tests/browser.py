@@ -34,7 +34,10 @@ INSTALLER = REPO / "tools" / "install_browser.sh"
 ARTIFACTS = Path(os.environ.get("HYBRIDLLM_TEST_ARTIFACTS", REPO / "build" / "test-artifacts"))
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run",
-                  "--disable-default-apps", "--disable-extensions", "--no-default-browser-check",
+                  # the rest of what could call home: pings, reports, phishing and extension updates
+                  "--disable-default-apps", "--disable-extensions", "--no-default-browser-check", "--no-pings",
+                  "--disable-domain-reliability", "--disable-client-side-phishing-detection",
+                  "--safebrowsing-disable-auto-update", "--metrics-recording-only",
                   "--window-size=1440,960")
 
 

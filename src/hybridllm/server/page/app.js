@@ -82,7 +82,9 @@ async function errorLine(response) {
 }
 
 // ---- the model --------------------------------------------------------------------------------
-const chatState = { model: null, messages: [], busy: false, controller: null };
+// messages: the conversation sent with each request; generation: bumped by New chat, so an answer
+// still streaming from the old conversation does not join the new one
+const chatState = { model: null, messages: [], busy: false, controller: null, generation: 0 };
 
 async function loadModel() {
   let response;
@@ -224,6 +226,7 @@ async function send() {
   const run = { startedAt: performance.now(), firstAt: null, lastAt: null, chunks: 0, completionTokens: null,
                 promptTokens: null, cachedTokens: null, stopped: false };
   const controller = new AbortController();
+  const generation = chatState.generation;
   chatState.controller = controller;
   setBusy(true);
   bubble.classList.add("streaming");
@@ -276,7 +279,9 @@ async function send() {
     userBubble.classList.add("failed");
     return;
   }
-  chatState.messages.push({ role: "user", content: userText }, { role: "assistant", content: reply });
+  if (generation === chatState.generation && reply) {  // a stop before the first token adds no turn
+    chatState.messages.push({ role: "user", content: userText }, { role: "assistant", content: reply });
+  }
   answerMetrics(bubble, run);
   bubble.classList.add("done");
 }
@@ -287,13 +292,27 @@ function stop() {
 
 function newChat() {
   stop();
+  chatState.generation += 1;
   chatState.messages = [];
   $("conversation").textContent = "";
 }
 
 // ---- the live view ----------------------------------------------------------------------------
 const histories = new Map(); // replica key -> [{t, decode_tokens_per_s, bus_bytes_per_s, kv_bytes}, ...]
-let lastSampleTime = null;
+
+// /stats?since=: the oldest of the replicas' newest samples (each replica has its own clock);
+// none while a replica shown has no history yet
+function sinceParam() {
+  const cards = [...$("replicas").children];
+  let since = null;
+  for (const card of cards) {
+    const history = histories.get(card.dataset.replica) || [];
+    if (!history.length) return null;
+    const t = history[history.length - 1].t;
+    since = since === null ? t : Math.min(since, t);
+  }
+  return since;
+}
 
 function setField(card, name, value, bytes) {
   const el = card.querySelector(`[data-field="${name}"]`);
@@ -383,6 +402,7 @@ function renderFacts(card, stats, replica) {
   } else {
     title.textContent = "";
   }
+  title.hidden = !replica;
 }
 
 function sparkPath(svg, points, key) {
@@ -414,7 +434,6 @@ function renderHistory(card, key, stats) {
     const t = num(pick(point, "t"));
     if (t === null || (history.length && t <= history[history.length - 1].t)) continue;
     history.push(point);
-    if (lastSampleTime === null || t > lastSampleTime) lastSampleTime = t;
   }
   while (history.length && history[0].t < history[history.length - 1].t - HISTORY_WINDOW_S) history.shift();
   histories.set(key, history);
@@ -506,7 +525,8 @@ async function refreshStats() {
   const status = $("stats-status");
   const errorBox = $("stats-error");
   try {
-    const url = lastSampleTime === null ? "/stats" : `/stats?since=${encodeURIComponent(lastSampleTime)}`;
+    const since = sinceParam();
+    const url = since === null ? "/stats" : `/stats?since=${encodeURIComponent(since)}`;
     const response = await fetch(url, { headers: { Accept: "application/json" } });
     if (!response.ok) throw new Error(await errorLine(response));
     const body = await response.json();
