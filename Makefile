@@ -14,7 +14,7 @@ LLAMA_CPP_CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLA
 NO_AMX_FLAGS := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_CFLAGS ?= $(shell echo 'int x;' | $${CC:-cc} $(NO_AMX_FLAGS) -x c -c -o /dev/null - 2>/dev/null && echo $(NO_AMX_FLAGS))
 
-.PHONY: run test test-fast setup setup-run bench bench-peers clean
+.PHONY: run test test-fast setup setup-run browser bench bench-peers clean
 
 # Everything: what `make test` installs.
 setup: $(TEST_STAMP)
@@ -47,8 +47,12 @@ $(TEST_STAMP): $(RUN_STAMP)
 run: $(RUN_STAMP)
 	$(VENV)/bin/hybridllm generate "$(PROMPT)" --temperature 0 --max-tokens 64
 
+# Debian's chromium and chromium-driver for the page's browser tests (needs root; without it they skip).
+browser:
+	-sh tools/install_browser.sh
+
 # Everything (CI); the full suite takes up to 15 minutes on 2 cores.
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) browser
 	$(PY) -m pytest -q --durations=20
 
 # The fast unit tier: every test not marked `slow` (under 3 minutes on 2 cores).

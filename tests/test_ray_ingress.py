@@ -80,6 +80,7 @@ class FakeHandle:
         self.handle_http = Remote(lambda request: FakeStream(self.replica.handle_http(request), self))
         self.describe = Remote(lambda: FakeResponse(self.call(self.replica.describe)))
         self.metrics_text = Remote(lambda: FakeResponse(self.call(self.replica.metrics_text)))
+        self.stats = Remote(lambda since=None: FakeResponse(self.call(lambda: self.replica.stats(since))))
 
     def options(self, stream: bool = False) -> FakeHandle:
         return self
@@ -223,3 +224,30 @@ def test_a_dead_replica_gets_503_or_an_sse_error_and_comes_back(replicas):
     failures = sum(float(line.rsplit(" ", 1)[1]) for line in out["metrics"].splitlines()
                    if line.startswith("hybridllm:ingress_replica_failures_total{"))
     assert failures == 3  # the stream and the two 503s; no_replica is not a replica's failure
+
+
+def test_the_ingress_serves_the_page_and_every_replicas_stats(replicas):
+    from test_stats import check_schema
+
+    async def body(client: httpx.AsyncClient, ingress: Ingress, handles: list[FakeHandle]) -> Any:
+        out = {"page": await client.get("/"), "script": await client.get("/page/app.js")}
+        out["both"] = (await client.get("/stats")).json()
+        handles[1].fail_after = 0  # replica 1's process died
+        out["one"] = (await client.get("/stats?since=0")).json()
+        handles[1].fail_after = None
+        out["bad"] = await client.get("/stats?since=soon")
+        return out
+
+    out = run_with_ingress(replicas, body)
+    assert out["page"].status_code == 200 and "<title>hybridllm</title>" in out["page"].text
+    assert "connect-src 'self'" in out["page"].headers["content-security-policy"]
+    assert out["script"].headers["content-type"].startswith("text/javascript")
+    both = out["both"]["replicas"]
+    assert [(r["replica"], r["live"]) for r in both] == [("0", True), ("1", True)]
+    for entry, replica in zip(both, replicas, strict=True):
+        stats = check_schema(entry["stats"])
+        assert stats.memory.device.weights == replica.scheduler.runtime.weight_bytes["device"]
+    one = out["one"]["replicas"]
+    assert one[0]["live"] and check_schema(one[0]["stats"]).requests.running == 0
+    assert one[1]["live"] is False and one[1]["stats"] is None
+    assert out["bad"].status_code == 400 and out["bad"].json()["error"]["param"] == "since"

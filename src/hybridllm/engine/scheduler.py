@@ -65,7 +65,7 @@ from hybridllm.engine.metrics import HostPeakMemory
 from hybridllm.engine.output import RequestOutput, check_prompt
 from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.sampling import Sampler
-from hybridllm.engine.sequence import SeqEvent, SequenceState
+from hybridllm.engine.sequence import SeqEvent, SequenceKV, SequenceState
 from hybridllm.engine.structured import GrammarCompiler
 from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, KVBudgetError, MemoryLedger
@@ -150,8 +150,7 @@ class Scheduler:
         self.token_bytes = int(spec.token_bytes() * spec.n_layers)  # K+V of one token, all layers
         self.adaptive = AdaptivePolicy(runtime.migration) if kv_config.kv_adaptive else None
         budgets = {tier: self.ledger.budget(tier) for tier in TIERS}
-        # the adaptive policy can move any sequence's KV to the host: then both tiers bound it
-        self.capacity = tiers_capacity(TIERS if self.adaptive else admission_tiers(self.kv_strategy), budgets)
+        self.capacity = tiers_capacity(self.kv_tiers, budgets)
         self.host_memory = HostPeakMemory()
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self.prefix_cache = prefix_cache
@@ -285,6 +284,21 @@ class Scheduler:
     @property
     def reserved_bytes(self) -> int:
         return self._reserved
+
+    @property
+    def kv_tiers(self) -> tuple[str, ...]:
+        """The memory tiers admission counts a request's KV in: both when the adaptive policy may
+        move it to the host, else those of the KV strategy."""
+        return TIERS if self.adaptive is not None else admission_tiers(self.kv_strategy)
+
+    def kv_layout(self) -> list[SequenceKV]:
+        """Where each running sequence's KV is now (read-only, from any thread; it may be a step old)."""
+        return [SequenceKV.of(seq.request_id, seq.index, seq.cache) for seq in list(self._running)
+                if seq.cache is not None]
+
+    def token_raw_bytes(self, token_id: int) -> bytes:
+        """A token id's exact bytes (also when it holds part of a UTF-8 character)."""
+        return self.grammars.ll_tokenizer().decode_bytes([token_id])
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for metrics: requests, KV bytes/pages/budgets per tier, bus bytes."""

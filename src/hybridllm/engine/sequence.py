@@ -47,6 +47,23 @@ class SeqEvent:
         return self.finish_reason is not None or self.error is not None
 
 
+@dataclass(frozen=True)
+class SequenceKV:
+    """Where one running sequence's KV is: per layer, its tokens and how many of them the host
+    tier holds (the rest are on the device). A read-only snapshot for the server's live view."""
+
+    request_id: str
+    index: int  # which of the request's n sequences
+    tokens: tuple[int, ...]  # per layer
+    host_tokens: tuple[int, ...]  # per layer
+
+    @classmethod
+    def of(cls, request_id: str, index: int, cache: KVCache) -> SequenceKV:
+        layers = range(cache.spec.n_layers)
+        return cls(request_id, index, tuple(cache.length(i) for i in layers),
+                   tuple(cache.host_tokens(i) for i in layers))
+
+
 @dataclass(eq=False)
 class SequenceState:
     """A request in the loop: its prompt, where it runs (cache + runner), sampler, stop rules, times.

@@ -122,6 +122,17 @@ class PrefixCache:
             disk = self.disk.nbytes if self.disk is not None and self.disk.enabled else 0
             return {**{name: tier.nbytes for name, tier in self._tiers.items()}, "disk": disk}
 
+    def pages_per_tier(self) -> dict[str, int]:
+        """Pages held per tier ("device", "host": RAM, "disk": page files)."""
+        with self._lock:
+            disk = self.disk.n_pages if self.disk is not None and self.disk.enabled else 0
+            return {**{name: len(tier.pages) for name, tier in self._tiers.items()}, "disk": disk}
+
+    def budget_per_tier(self) -> dict[str, int]:
+        """Bytes each tier may hold ("disk": 0 without a usable disk tier)."""
+        disk = self.disk.budget if self.disk is not None and self.disk.enabled else 0
+        return {**{name: tier.budget for name, tier in self._tiers.items()}, "disk": disk}
+
     def addresses(self, token_ids: Sequence[int]) -> list[bytes]:
         """The page addresses of ``token_ids`` (whole pages only)."""
         return page_hashes(token_ids, self.root, self.page_tokens)

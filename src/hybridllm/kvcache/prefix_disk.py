@@ -68,6 +68,11 @@ class DiskTier:
         """Bytes of the page files held."""
         return sum(self._files.values())
 
+    @property
+    def n_pages(self) -> int:
+        """Page files held."""
+        return len(self._files)
+
     def __contains__(self, address: bytes) -> bool:
         return address in self._files
 

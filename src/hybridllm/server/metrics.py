@@ -4,12 +4,14 @@ Every app gets its own :class:`~prometheus_client.CollectorRegistry` (no global 
 two servers in one process do not clash. Latency histograms and token/request counters are
 updated from the scheduler's hooks (on its loop thread; prometheus_client is thread-safe);
 gauges (running/waiting requests, KV bytes and pages per tier, placement) and the bus-bytes
-counter are read from the scheduler when /metrics is scraped. Monotonic totals are counters
+counter are read from the engine's read-only view (:class:`~hybridllm.server.engine_view.EngineView`)
+when /metrics is scraped. Monotonic totals are counters
 (their names end in ``_total``), so ``rate()`` works on them.
 
 ``kv_cache_usage_perc`` is the reserved KV over what the engine can hold: the admission
 capacity when every tier it counts has a budget, else (a tier unbounded) the budgets that are
-set plus the memory that was free at start in the unbounded tiers (:func:`holdable_kv_bytes`).
+set plus the memory that was free at start in the unbounded tiers
+(:attr:`~hybridllm.server.engine_view.EngineView.kv_holdable_bytes`).
 
 docs/grafana-dashboard.json plots these names; tests check that every query in it resolves.
 """
@@ -17,21 +19,14 @@ docs/grafana-dashboard.json plots these names; tests check that every query in i
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-import psutil
-import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hybridllm.engine.adaptive import ADAPTIVE_ACTION_KINDS, AdaptiveAction
 from hybridllm.engine.scheduler import SchedulerObserver, SequenceState
-from hybridllm.kvcache.base import TIERS
-from hybridllm.kvcache.registry import admission_tiers
-
-if TYPE_CHECKING:
-    from hybridllm.engine.scheduler import Scheduler
+from hybridllm.server.engine_view import EngineView
 
 PREFIX = "hybridllm:"
 
@@ -47,37 +42,15 @@ TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-def holdable_kv_bytes(scheduler: Scheduler) -> int:
-    """KV bytes the engine can hold: its admission capacity, or when a tier it counts is
-    unbounded, that tier's free memory now (the device's free memory on a GPU, the host RAM
-    available otherwise; a CPU "device" and the host share that RAM, counted once)."""
-    if scheduler.capacity is not None:
-        return scheduler.capacity
-    tiers = TIERS if scheduler.adaptive is not None else admission_tiers(scheduler.kv_strategy)
-    total = 0
-    host_ram_counted = False
-    for tier in tiers:
-        budget = scheduler.ledger.budget(tier)
-        if budget is not None:
-            total += budget
-        elif tier == "device" and scheduler.device.type == "cuda":
-            total += torch.cuda.mem_get_info(scheduler.device)[0]
-        elif not host_ram_counted:
-            total += psutil.virtual_memory().available
-            host_ram_counted = True
-    return total
-
-
 class ServerMetrics(SchedulerObserver):
     """The registry of one server and the scheduler hooks that feed it.
 
     Args:
-        scheduler: read at scrape time for the gauges.
+        view: the engine, read at scrape time for the gauges.
         model_name: the ``model_name`` label of every series.
     """
 
-    def __init__(self, scheduler: Scheduler, model_name: str) -> None:
-        self.scheduler = scheduler
+    def __init__(self, view: EngineView, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -128,7 +101,7 @@ class ServerMetrics(SchedulerObserver):
             ["model_name", "action"], registry=reg)
         for action in ADAPTIVE_ACTION_KINDS:
             self.adaptive_actions.labels(model_name, action)
-        reg.register(_EngineCollector(scheduler, model_name, holdable_kv_bytes(scheduler)))
+        reg.register(_EngineCollector(view, model_name))
 
     # ---- scheduler hooks (loop thread) -----------------------------------------------------
     def on_scheduled(self, seq: SequenceState) -> None:
@@ -169,92 +142,98 @@ class ServerMetrics(SchedulerObserver):
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def token_totals(self) -> dict[str, int]:
+        """Prompt tokens prefilled and tokens generated since start (the counters' values)."""
+        def value(name: str) -> int:
+            return int(self.registry.get_sample_value(f"{PREFIX}{name}_total", {"model_name": self.model_name}) or 0)
+
+        return {"prompt": value("prompt_tokens"), "generated": value("generation_tokens")}
+
 
 class _EngineCollector(Collector):
-    """Gauges (and the bus-bytes counter) read from the scheduler at scrape time.
+    """Gauges (and the bus-bytes counter) read from the engine's view at scrape time.
 
     Args:
-        scheduler: the request loop.
+        view: the engine.
         model_name: the ``model_name`` label.
-        kv_holdable_bytes: the denominator of ``kv_cache_usage_perc``.
     """
 
-    def __init__(self, scheduler: Scheduler, model_name: str, kv_holdable_bytes: int) -> None:
-        self.scheduler = scheduler
+    def __init__(self, view: EngineView, model_name: str) -> None:
+        self.view = view
         self.model_name = model_name
-        self.kv_holdable_bytes = kv_holdable_bytes
 
     def describe(self) -> list[Metric]:
         return []  # names are stable but values are read lazily; nothing to pre-describe
 
     def collect(self) -> Iterator[Metric]:
-        s = self.scheduler
-        stats = s.stats()
+        state = self.view.state()
+        placement = self.view.placement
+        holdable = self.view.kv_holdable_bytes
         name = self.model_name
 
         def gauge(metric: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
             return GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name", *(labels or [])])
 
         g = gauge("num_requests_running", "Requests prefilling or decoding.")
-        g.add_metric([name], stats["running"])
+        g.add_metric([name], state.running)
         yield g
         g = gauge("num_requests_waiting", "Requests in the queue.")
-        g.add_metric([name], stats["waiting"])
+        g.add_metric([name], state.waiting)
         yield g
         g = gauge("kv_cache_bytes", "KV cache bytes held, per tier (the ledger).", ["tier"])
-        for tier, n in stats["kv_bytes"].items():
+        for tier, n in state.kv_bytes.items():
             g.add_metric([name, tier], n)
         yield g
         g = gauge("kv_cache_pages", "KV cache pages held, per tier (pages of kv_page_size tokens).", ["tier"])
-        for tier, n in stats["kv_pages"].items():
+        for tier, n in state.kv_pages.items():
             g.add_metric([name, tier], n)
         yield g
         g = gauge("kv_cache_budget_bytes", "KV budget per tier (absent: unlimited).", ["tier"])
-        for tier, n in stats["kv_budget_bytes"].items():
+        for tier, n in state.kv_budget_bytes.items():
             if n is not None:
                 g.add_metric([name, tier], n)
         yield g
         g = gauge("kv_cache_reserved_bytes", "KV bytes promised to running requests (prompt + max_tokens).")
-        g.add_metric([name], stats["kv_reserved_bytes"])
+        g.add_metric([name], state.kv_reserved_bytes)
         yield g
         g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of what the engine can hold (the admission "
                   "capacity, or the free memory at start of an unbounded tier).")
-        g.add_metric([name], stats["kv_reserved_bytes"] / self.kv_holdable_bytes if self.kv_holdable_bytes else 0.0)
+        g.add_metric([name], state.kv_reserved_bytes / holdable if holdable else 0.0)
         yield g
         g = gauge("kv_cache_holdable_bytes", "The denominator of kv_cache_usage_perc.")
-        g.add_metric([name], self.kv_holdable_bytes)
+        g.add_metric([name], holdable)
         yield g
         c = CounterMetricFamily(PREFIX + "bus_bytes", "Bytes moved between host and device since start, per "
                                 "direction.", labels=["model_name", "direction"])
-        for direction, n in stats["bus_bytes"].items():
+        for direction, n in state.bus_bytes.items():
             c.add_metric([name, direction], n)
         yield c
-        prefix = stats["prefix_cache"]
+        prefix = state.prefix_cache
         if prefix is not None:  # vLLM's names; counted in prompt tokens
-            for metric, key, doc in (("prefix_cache_queries", "queries", "Prompt tokens looked up in the prefix cache."),
-                                     ("prefix_cache_hits", "hits", "Prompt tokens whose KV the prefix cache supplied.")):
+            for metric, value, doc in (("prefix_cache_queries", prefix.queries, "Prompt tokens looked up in the "
+                                        "prefix cache."),
+                                       ("prefix_cache_hits", prefix.hits, "Prompt tokens whose KV the prefix cache "
+                                        "supplied.")):
                 c = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
-                c.add_metric([name], prefix[key])
+                c.add_metric([name], value)
                 yield c
             g = gauge("prefix_cache_bytes", "Bytes of reusable KV pages held by the prefix cache, per tier.", ["tier"])
-            for tier, n in prefix["bytes"].items():
+            for tier, n in prefix.bytes.items():
                 g.add_metric([name, tier], n)
             yield g
-        runtime = s.runtime
         g = gauge("weight_bytes", "Model weight bytes per tier (the placement).", ["tier"])
-        for tier, n in runtime.weight_bytes.items():
+        for tier, n in state.weight_bytes.items():
             g.add_metric([name, tier], n)
         yield g
-        device = runtime.engine_config.torch_device
-        on_device = runtime.placement.n_gpu_layers
+        on_device = placement.layers_on_device
         g = gauge("placement_layers", "Decoder layers whose weights are on each tier.", ["tier"])
         g.add_metric([name, "device"], on_device)
-        g.add_metric([name, "host"], runtime.config.n_layers - on_device)
+        g.add_metric([name, "host"], placement.n_layers - on_device)
         yield g
         g = gauge("placement_info", "The current placement (value 1; the labels describe it).",
                   ["device", "dtype", "weights", "kv_cache", "kv_page_size", "max_batch", "prefill_chunk",
                    "n_gpu_layers", "decode_on"])
-        g.add_metric([name, str(device), runtime.engine_config.dtype, str(runtime.weights_format), s.kv_strategy,
-                      str(s.page_size), str(s.max_batch), str(s.prefill_chunk), str(on_device),
-                      runtime.placement.decode_on], 1)
+        g.add_metric([name, placement.device, placement.dtype, placement.weights_format, placement.kv_strategy,
+                      str(placement.kv_page_size), str(placement.max_batch), str(placement.prefill_chunk),
+                      str(on_device), placement.decode_on], 1)
         yield g

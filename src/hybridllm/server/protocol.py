@@ -70,6 +70,15 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# the error answers every API route documents in the OpenAPI schema
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    413: {"model": ErrorResponse, "description": "Request body over the size limit"},
+    503: {"model": ErrorResponse, "description": "Queue full (see Retry-After), or shutting down"},
+}
+
+
 # ---- requests ----------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     model_config = _REQUEST_CONFIG

@@ -10,6 +10,10 @@ routes:
 - ``GET /health``: 200 while at least one replica answers, else 503; per replica ``ok``/``down``.
 - ``GET /replicas``: per replica: live or not, requests in flight through the ingress, and what it
   last reported (process id, host, running and waiting requests).
+- ``GET /`` (and the page's files): the page of the single server (:mod:`hybridllm.server.page_assets`),
+  which shows each replica.
+- ``GET /stats``: ``{"replicas": [...]}``, per replica its ``/replicas`` entry and ``stats``: its own
+  ``/stats`` body (null while it does not answer).
 
 A replica whose process dies is replaced by Ray Serve (its health checks); the ingress stops
 routing to it at its first failed call and routes to it again once it answers. Its requests in
@@ -37,6 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from hybridllm.loading.registry import open_checkpoint
 from hybridllm.server.asgi_bridge import ForwardedRequest, ResponseStart
 from hybridllm.server.metrics import CONTENT_TYPE, PREFIX
+from hybridllm.server.page_assets import PAGE_FILES, page_response
 from hybridllm.server.protocol import error_body
 from hybridllm.server.replica_metrics import REPLICA_LABEL, merge_replica_metrics
 from hybridllm.server.routing import DEFAULT_MAX_IMBALANCE, HashRing, PageKey, Route, choose_replica, prefix_key
@@ -168,6 +173,10 @@ class Ingress:
         if request.method == "GET" and path == "/replicas":
             await self.probe_all()
             return JSONResponse(self.replica_table())
+        if request.method == "GET" and path in PAGE_FILES:
+            return page_response(path)
+        if request.method == "GET" and path == "/stats":
+            return await self.stats(request.query_params.get("since"))
         body = await request.body()
         key = self.route_key(parse_json(body)) if request.method == "POST" and path in ROUTED_PATHS else None
         route = choose_replica(key, self.ring, [r for r in self.replicas if r in self.live], self.in_flight,
@@ -284,6 +293,26 @@ class Ingress:
         body = {"status": "ok" if live else "unavailable",
                 "replicas": {replica: "ok" if replica in self.live else "down" for replica in self.replicas}}
         return JSONResponse(body, status_code=200 if live else 503)
+
+    async def stats(self, since: str | None) -> JSONResponse:
+        """Every replica's ``/replicas`` entry with its ``/stats`` body (null when it did not answer)."""
+        try:
+            after = float(since) if since is not None else None
+        except ValueError:
+            return JSONResponse(error_body(f"invalid value for since: {since!r} is not a number", param="since",
+                                           code="invalid_value"), status_code=400)
+        live = [replica for replica in self.replicas if replica in self.live]
+        responses = [self.handles[replica].stats.remote(after) for replica in live]
+        results = await asyncio.gather(*(asyncio.wait_for(asyncio.ensure_future(r), PROBE_TIMEOUT_S)
+                                         for r in responses), return_exceptions=True)
+        bodies: dict[str, dict[str, Any]] = {}
+        for replica, result in zip(live, results, strict=True):
+            if isinstance(result, dict):
+                bodies[replica] = result
+            elif isinstance(result, REPLICA_ERRORS):
+                self.mark_down(replica, result)
+        return JSONResponse({"replicas": [{**entry, "stats": bodies.get(entry["replica"])}
+                                          for entry in self.replica_table()]})
 
     # ---- metrics -------------------------------------------------------------------------
     async def metrics_text(self) -> bytes:

@@ -74,6 +74,10 @@ class EngineReplica:
         """The replica's ``/metrics`` exposition (without the ``replica`` label)."""
         return self.app.state.metrics.render().decode()
 
+    def stats(self, since: float | None = None) -> dict[str, Any]:
+        """The replica's ``/stats`` body (history after ``since`` only)."""
+        return self.app.state.stats.snapshot(since)
+
     def describe(self) -> dict[str, Any]:
         """Who answers: the replica id, its process and machine, and its request loop's load."""
         return {"replica": self.replica_id, "pid": os.getpid(), "hostname": socket.gethostname(),
