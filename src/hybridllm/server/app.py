@@ -2,7 +2,6 @@
 
     from hybridllm import LLM
     from hybridllm.engine.scheduler import Scheduler
-from hybridllm.loading.local_models import model_name
     from hybridllm.server.app import create_app
 
     llm = LLM()
@@ -41,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridllm import __version__
 from hybridllm.engine.scheduler import Scheduler
+from hybridllm.loading.local_models import model_name as checkpoint_model_name
 from hybridllm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from hybridllm.server.context import ServerContext
 from hybridllm.server.engine_view import EngineView
@@ -59,7 +59,7 @@ def default_model_name(llm: Any) -> str:
     ``SmolLM2-135M-Instruct.Q4_1``), as ``hybridllm models`` and chat show it."""
     path = getattr(getattr(llm, "checkpoint", None), "path", None)
     if path is not None:
-        return model_name(path)
+        return checkpoint_model_name(path)
     return llm.config.name or "hybridllm"
 
 
