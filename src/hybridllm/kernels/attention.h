@@ -412,17 +412,37 @@ inline void attention_team(const Team& team, const float* q, int64_t q_stride, c
 }
 
 // ---- prefill chunks ---------------------------------------------------------------------------
+// Per-thread state of a prefill item: each row's merged result (max, sum per query, then the
+// outputs), a block's result, and the gathered queries of the rows that see a whole block.
+struct PrefillScratch {
+  std::vector<float> state, block, queries;
+  void reserve(int64_t rows, int group, int64_t d) {
+    const int64_t per_row = group * (d + 2);
+    if (static_cast<int64_t>(state.size()) < rows * per_row) state.resize(rows * per_row);
+    if (static_cast<int64_t>(block.size()) < MAX_GROUP * (d + 2)) block.resize(MAX_GROUP * (d + 2));
+    if (static_cast<int64_t>(queries.size()) < MAX_GROUP * d) queries.resize(MAX_GROUP * d);
+  }
+};
+
+// Rows of one KV head's queries scored together against a block all of them see whole: up to 8
+// query vectors per call (each query's arithmetic is its own: batching changes nothing but speed).
+inline int rows_per_batch(int group) {
+  const int rows = std::max(1, 8 / group);
+  return supported_group(rows * group) ? rows : 1;
+}
+
 // Attention of prefill chunks by the team: segment s is rows offsets[s] .. offsets[s + 1] - 1 of q
 // (stride q_stride), consecutive positions from caches[s].start of the sequence whose layer KV is
 // caches[s] -> out (rows, H, D). Items (segment, QUERY_ROWS positions, KV head) are claimed as the
-// threads come; each row merges its blocks in order as it goes.
+// threads come; an item walks the blocks its rows see in order, each row merging its blocks as it
+// goes (the rows that see a block whole are scored together).
 inline void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
                                    const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t d,
                                    const ScoreOptions& options, float* out, BlockScratch& scratch) {
-  const int group = n_heads / n_kv_heads;
-  thread_local std::vector<float> block;  // one block's result: max, sum (G each), out (G, d)
-  thread_local std::vector<float> state;  // the row's merged result, the same shape
-  if (static_cast<int64_t>(block.size()) < group * (d + 2)) block.resize(group * (d + 2)), state.resize(group * (d + 2));
+  const int group = n_heads / n_kv_heads, batch_rows = rows_per_batch(group);
+  const int64_t per_row = group * (d + 2);
+  thread_local PrefillScratch work;
+  work.reserve(QUERY_ROWS, group, d);
   int64_t items = 0;
   for (int64_t s = 0; s < segments; ++s) items += (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
   for (int64_t item = team.claim(); item < items; item = team.claim()) {
@@ -435,21 +455,49 @@ inline void prefill_attention_team(const Team& team, const float* q, int64_t q_s
     const HLLayerCache& cache = caches[s];
     const int64_t head = local % n_kv_heads, r0 = offsets[s] + local / n_kv_heads * QUERY_ROWS;
     const int64_t r1 = std::min(offsets[s + 1], r0 + QUERY_ROWS);
-    const Partial result{block.data(), block.data() + group, block.data() + 2 * group};
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t position = cache.start + (r - offsets[s]);
-      const RowBlocks rb(cache, position);
-      for (int64_t b = rb.first; b <= rb.last; ++b) {
-        attend_block_group(group, q + r * q_stride + head * group * d, cache, head, rb.block_lo(b),
-                           RowBlocks::block_hi(b, position), d, options, result, scratch);
-        for (int g = 0; g < group; ++g)
-          merge_into(state[g], state[group + g], state.data() + 2 * group + g * d, result.m[g], result.l[g],
-                     result.o + g * d, d, b == rb.first);
+    auto position = [&](int64_t r) { return cache.start + (r - offsets[s]); };
+    auto query = [&](int64_t r) { return q + r * q_stride + head * group * d; };
+    // row r's state: m (G), l (G), o (G, d)
+    auto merge_row = [&](int64_t r, const float* m, const float* l, const float* o, bool first) {
+      float* st = work.state.data() + (r - r0) * per_row;
+      for (int g = 0; g < group; ++g)
+        merge_into(st[g], st[group + g], st + 2 * group + g * d, m[g], l[g], o + g * d, d, first);
+    };
+    const int64_t first_block = RowBlocks(cache, position(r0)).first, last_block = position(r1 - 1) / KEY_BLOCK;
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      const int64_t b_lo = b * KEY_BLOCK, b_hi = b_lo + KEY_BLOCK;
+      int64_t r = r0;
+      while (r < r1) {
+        const RowBlocks rb(cache, position(r));
+        if (b < rb.first || b > rb.last) {  // the block is outside this row's keys
+          ++r;
+          continue;
+        }
+        const bool whole = rb.block_lo(b) == b_lo && RowBlocks::block_hi(b, position(r)) == b_hi;
+        int64_t n = 1;  // rows scored together: consecutive rows that see the whole block
+        if (whole)
+          while (n < batch_rows && r + n < r1 && RowBlocks(cache, position(r + n)).block_lo(b) == b_lo) ++n;
+        const float* queries = query(r);
+        if (n > 1) {
+          for (int64_t i = 0; i < n; ++i) std::memcpy(work.queries.data() + i * group * d, query(r + i), group * d * 4);
+          queries = work.queries.data();
+        }
+        const int total = static_cast<int>(n) * group;
+        const Partial result{work.block.data(), work.block.data() + total, work.block.data() + 2 * total};
+        attend_block_group(total, queries, cache, head, rb.block_lo(b), RowBlocks::block_hi(b, position(r)), d, options,
+                           result, scratch);
+        for (int64_t i = 0; i < n; ++i)
+          merge_row(r + i, result.m + i * group, result.l + i * group, result.o + i * group * d,
+                    b == RowBlocks(cache, position(r + i)).first);
+        r += n;
       }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* st = work.state.data() + (r - r0) * per_row;
       for (int g = 0; g < group; ++g) {
-        const float inverse = 1.0f / state[group + g];
+        const float inverse = 1.0f / st[group + g];
         float* o = out + (r * n_heads + head * group + g) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = state[2 * group + g * d + j] * inverse;
+        for (int64_t j = 0; j < d; ++j) o[j] = st[2 * group + g * d + j] * inverse;
       }
     }
   }
