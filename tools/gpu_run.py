@@ -186,7 +186,7 @@ def stages(plan: Plan, out: Path) -> list[Stage]:
                  "--dtype", plan.dtype],
                 [PYTHON, "tools/load_test.py", "--compare", "1", "--concurrency", str(plan.streams),
                  "--requests", str(plan.streams), "--max-tokens", str(plan.stream_tokens), "--warmup-burst",
-                 "--time-limit", f"{max(limit_s / 3, 10):.0f}", *(f"--serve-arg={arg}" for arg in serve),
+                 "--time-limit", f"{max(limit_s / 2, 10):.0f}", *(f"--serve-arg={arg}" for arg in serve),
                  "--json", str(out / SERVER_STREAMS_JSON)]]
 
     return [
