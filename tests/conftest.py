@@ -27,6 +27,16 @@ OPENAI_MISSING = "the openai client is in the dev extra (pip install -e '.[dev]'
 RAY_MISSING = "Ray is in the ray extra (pip install -e '.[ray]')"
 
 
+def import_extra(module: str, reason: str) -> Any:
+    """``module``, or a skip of the calling test module where it is missing; in CI (``CI`` set,
+    where `make test` installs every extra) a missing one is an error, never a silent skip."""
+    if os.environ.get("CI"):
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason)
+
+
 def _have_compiler() -> bool:
     from hybridllm.kernels import build
 

@@ -10,7 +10,7 @@ import re
 
 import httpx
 import pytest
-from conftest import OPENAI_MISSING
+from conftest import OPENAI_MISSING, import_extra
 import torch
 from test_server import InProcessServer, serve_process
 
@@ -24,7 +24,7 @@ from hybridllm.kvcache.prefix_hash import PAGE_TOKENS, page_hashes, salt
 from hybridllm.kvcache.prefix_page import KVPage
 from hybridllm.server.app import create_app
 
-openai = pytest.importorskip("openai", reason=OPENAI_MISSING)
+openai = import_extra("openai", OPENAI_MISSING)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPT = [(7 * i + 3) % 250 + 5 for i in range(150)]  # 4 whole pages and a partial one

@@ -24,12 +24,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import OPENAI_MISSING
+from conftest import OPENAI_MISSING, import_extra
 from serving_helpers import CHAT_PROMPTS, reference
 
 import hybridllm
 
-openai = pytest.importorskip("openai", reason=OPENAI_MISSING)
+openai = import_extra("openai", OPENAI_MISSING)
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two engine processes
 

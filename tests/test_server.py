@@ -22,10 +22,10 @@ from typing import Self
 import httpx
 import psutil
 import pytest
-from conftest import OPENAI_MISSING
+from conftest import OPENAI_MISSING, import_extra
 from serving_helpers import CHAT_PROMPTS, MAX_TOKENS, reference
 
-openai = pytest.importorskip("openai", reason=OPENAI_MISSING)
+openai = import_extra("openai", OPENAI_MISSING)
 
 pytestmark = pytest.mark.slow  # servers in their own processes, a soak test
 

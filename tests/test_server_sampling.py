@@ -13,14 +13,14 @@ import json
 
 import httpx
 import pytest
-from conftest import OPENAI_MISSING
+from conftest import OPENAI_MISSING, import_extra
 import torch
 from test_server import InProcessServer
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.server.app import create_app
 
-openai = pytest.importorskip("openai", reason=OPENAI_MISSING)
+openai = import_extra("openai", OPENAI_MISSING)
 
 TOL = 1e-4  # batched decode rows and a one-shot forward differ by float32 rounding only
 

@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from conftest import OPENAI_MISSING
+from conftest import OPENAI_MISSING, import_extra
 import torch
 from test_server import InProcessServer
 from tiny_models import build_hf_model
@@ -21,7 +21,7 @@ from hybridllm.engine.scheduler import Scheduler
 from hybridllm.engine.structured import GrammarCompiler, GrammarError
 from hybridllm.loading.tokenizer import Tokenizer
 
-openai = pytest.importorskip("openai", reason=OPENAI_MISSING)
+openai = import_extra("openai", OPENAI_MISSING)
 
 PERSON = {
     "type": "object",
