@@ -460,6 +460,14 @@ def test_kv_table_puts_decode_next_to_dynamic_and_llama_cpps_kv_of_the_same_bits
     assert [c[6] for c in cells] == ["2.00x", "1.50x", "-", "-"]  # vs llama.cpp's f16 / q8_0 KV
 
 
+def test_kv_table_names_a_strategy_attended_through_pytorch():
+    from hybridllm.bench import kv_strategies
+
+    rows = [{**_row(), "kv_attention": "native"}, {**_row(), "kv_cache": "quantized", "kv_options": {"kv_bits": 8},
+                                                  "kv_attention": "PyTorch"}]
+    assert [c[2] for c in kv_strategies.records(rows)] == ["dynamic", "quantized-int8 (PyTorch attention)"]
+
+
 def test_peers_table_ratio_to_llama_cpp_and_section():
     from hybridllm.bench import peers_report
 
