@@ -20,26 +20,22 @@ Batches: each row of a decode batch (the scheduler's
 read each weight matrix once for all rows (decode is bound by reading the weights), while each
 row's arithmetic, summation order included, is the same as alone, at any position in any batch
 and on any number of threads (batch-invariant: temperature 0 gives the same text alone or under
-load).
+load). Prefill chunks (:meth:`NativeModel.prefill`, :meth:`NativeModel.prefill_chunks`) run the
+same layer code and the same products, so a prompt's rows get the bits a decode step would give
+them however the prompt is chunked or cached.
 
 The native decode backend (``hybridllm.runtime.backends.native``) takes a step only when it
-applies, otherwise the layer runs its PyTorch code:
-one token per row, float32 activations, and for every row a cache whose layer can be written in
-place (:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on
-the host). A prefill chunk of one sequence with such a cache runs every layer in one call too
-(:meth:`NativeModel.prefill`). GPU layers and the paged/tiered/quantized strategies keep the
-PyTorch path, and so do layers with pieces the kernels lack (Qwen3's q/k norm, partial rotary):
-they are listed in ``report.skipped``.
+applies, otherwise the layer runs its PyTorch code: float32 activations, and for every row a
+cache whose layers the kernels read in place (:meth:`hybridllm.kvcache.base.KVCache.in_place_rows`:
+every registered strategy's host storage; :func:`claim_rows` writes the runs into the
+``HLLayerCache`` table). GPU layers keep the PyTorch path; a layer the kernels cannot describe
+is listed in ``report.skipped`` (none of the families in ``config.ARCHITECTURES``).
 
 Weights the kernels read, all in place (one copy of every weight, whatever path reads it):
-
-- float32 ``nn.Linear``: the weight itself;
-- int4: :class:`~hybridllm.kernels.native_linear.NativeInt4Linear` blocks of 16 rows x 32 inputs
-  (:func:`pack_int4_blocks`: their bfloat16 scales and zeros, then the codes in the operand layout
-  of the integer dots and of AMX tiles; one sequential stream per thread reads faster than one
-  stream per row). Building the steps moves every host
-  ``Int4Linear`` into that layout (PyTorch's packed layout is not kept: prefill reads the blocks);
-- ``Int8Linear`` codes with float32 row scales; the ``Int8GroupedLinear`` head/embedding table.
+float32 ``nn.Linear`` weights as they are; every GGUF type of common files and the engine's
+int4/int8 as :class:`~hybridllm.kernels.native_linear.NativeQuantLinear` tiles of 16 rows with the
+file's own scales (:mod:`hybridllm.kernels.native_linear`; the loader builds them straight from
+the file when the native backend runs).
 """
 
 from __future__ import annotations
