@@ -73,6 +73,7 @@ from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.kvcache.copy import copy_cache
 from hybridllm.kvcache.prefix_cache import PrefixCache
 from hybridllm.kvcache.registry import admission_tiers, get_strategy, tiers_capacity
+from hybridllm.runtime.forward_batch import ForwardBatch, ForwardRow
 from hybridllm.timing import synchronize
 
 logger = logging.getLogger(__name__)
@@ -544,11 +545,12 @@ class Scheduler:
                     and end - start > 1 and not self._crosses_rope_switch(seq, end - start)]
         results: list[torch.Tensor | None] = [None] * len(planned)
         if len(together) > 1:
-            chunks = [(planned[i][0].prompt_ids[planned[i][1]:planned[i][2]], planned[i][0].cache) for i in together]
+            chunks = ForwardBatch([ForwardRow(planned[i][0].cache, planned[i][0].prompt_ids[planned[i][1]:planned[i][2]],
+                                              planned[i][0].cache.seq_length) for i in together])
             try:
                 runner = self.runtime.runner
                 logits = self._sharing_hops(runner, [planned[i][0] for i in together],
-                                            lambda: runner.prefill_chunks(chunks))
+                                            lambda: [row[None] for row in runner.step(chunks)])
             except Exception:  # a budget or any other error: undo what it appended, run each chunk alone
                 logger.debug("prefill of %d chunks together failed; running them one by one", len(chunks), exc_info=True)
                 logits = None
@@ -610,8 +612,7 @@ class Scheduler:
     # ---- longrope (Phi-3 128K) ------------------------------------------------------------------
     def _rotates_long(self, length: int) -> bool:
         """Whether a sequence of ``length`` tokens rotates with longrope's long factors."""
-        switch = self.runtime.runner.model.rope_switch_length
-        return switch is not None and length > switch
+        return self.runtime.runner.rotates_long(length)
 
     def _crosses_rope_switch(self, seq: SequenceState, n_new: int) -> bool:
         """Whether ``n_new`` more tokens take a sequence whose cached keys rotate with longrope's
