@@ -30,6 +30,7 @@ import torch
 from hybridllm.engine.policies import LoopPolicies
 from hybridllm.engine.step_plan import ScheduledRow, StepPlan
 from hybridllm.kvcache.base import KVBudgetError
+from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.runtime.forward_batch import ForwardBatch, ForwardRow
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,7 @@ class Executor:
             logits = self._sharing_hops(runner, rows, forwards, lambda: runner.step(ForwardBatch(forwards)))
         except Exception:  # a budget or any other error: undo what it appended, run each row alone
             logger.debug("a forward of %d rows failed; running them one by one", len(rows), exc_info=True)
-            for forward in forwards:
-                forward.cache.truncate(forward.start)
+            BatchedCaches([f.cache for f in forwards]).truncate([f.start for f in forwards])
             return [self._run_alone(row, forward) for row, forward in zip(rows, forwards)]
         results = []
         for row, forward, row_logits in zip(rows, forwards, _on_host(logits)):
