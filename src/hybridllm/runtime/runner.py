@@ -96,7 +96,10 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, cache: KVCache | BatchedCaches, start_pos: int | torch.Tensor,
                 all_logits: bool = False) -> torch.Tensor:
         """Run ``input_ids`` (B, T) at positions ``start_pos..start_pos+T-1``: row i continues
-        ``cache`` (B = 1) or ``cache.caches[i]`` (a ``BatchedCaches``), as one step of B rows.
+        ``cache`` (B = 1) or ``cache.caches[i]`` (a ``BatchedCaches``). One row, or one token per
+        row, is a step of B rows; B > 1 rows of T > 1 tokens are one batched walk through the
+        layers (the batched PyTorch prefill tools and tests measure each KV strategy's own
+        attention with).
 
         Args:
             start_pos: an int shared by the batch, or a (B,) tensor with one start per row.
@@ -107,6 +110,8 @@ class ModelRunner:
         caches = cache.caches if isinstance(cache, BatchedCaches) else [cache]
         if len(caches) != input_ids.shape[0]:
             raise ValueError(f"{input_ids.shape[0]} rows of ids for {len(caches)} caches")
+        if len(caches) > 1 and input_ids.shape[1] > 1:
+            return self.placed.walk(input_ids, cache, start_pos, all_logits, self.backend)
         starts = start_pos.tolist() if isinstance(start_pos, torch.Tensor) else [start_pos] * len(caches)
         ids = input_ids.tolist()
         rows = [ForwardRow(c, ids[i], int(starts[i]), all_logits) for i, c in enumerate(caches)]

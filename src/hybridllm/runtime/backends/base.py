@@ -6,20 +6,24 @@ tokens (one, a prefill chunk, or several generated ones), their start position a
 wants every position's logits. ``step(batch)`` is the one entry point: the backend runs the rows
 its own kernels take (the native backend: every one-token row in one call, every chunk in
 another) and walks the placed model's layers for the rest
-(:meth:`~hybridllm.runtime.placed_model.PlacedModel.walk`, with the backend's one-token layer
-step and head). A backend is built once for a placed model (at build time, not per step) and
-never changes what the model computes; it may hold weights in the layout its kernels read (the
-native backend keeps host int4 layers as its kernels' blocks: their one copy).
+(:meth:`~hybridllm.runtime.placed_model.PlacedModel.walk`, with the backend's hooks: ``glue``,
+the one-token ``layer_step`` and ``head``). A backend is built once for a placed model (at build
+time, not per step) and never changes what the model computes; it may hold weights in the
+layout its kernels read (the native backend keeps host weights as its kernels' tiles: their one
+copy).
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.batch import BatchedCaches
+from hybridllm.models.llama import DecoderLayer
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.forward_batch import ForwardBatch
 
@@ -65,6 +69,22 @@ class DecodeBackend(Protocol):
         return each row's float32 logits, (len(tokens) if ``all_logits`` else 1, vocab), on the
         head's device, in batch order. Each row's logits and KV are those of its forward alone
         (bitwise where the backend's kernels are batch-invariant: native)."""
+        ...
+
+    # the hooks the placed model's layer walk takes from its backend (for the rows ``step`` walks)
+    def glue(self) -> AbstractContextManager:
+        """The scope of the PyTorch ops around a step (embedding lookup, rotary tables): the
+        native backend runs them on one thread, so that PyTorch's OpenMP workers, which spin
+        for a while after a parallel op, do not sit on the cores its own thread team is about to use."""
+        ...
+
+    def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache | BatchedCaches) -> torch.Tensor:
+        """One layer of a one-token forward: x (B, 1, hidden) -> (B, 1, hidden)."""
+        ...
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits (B, T, vocab) of normed hidden states (B, T, hidden) (every walked forward)."""
         ...
 
     def check_placement(self, placement: Placement) -> None:
