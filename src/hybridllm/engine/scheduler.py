@@ -30,6 +30,10 @@ is done (``--decode-on host``), and adaptive re-planning when a memory tier fill
 (``--kv-adaptive``: halve a tiered hot window, quantize cold pages, or move the sequence to the
 host runner; a step that cannot fit at all is rolled back and re-run on the host).
 
+A consumer that cannot keep up (a client that stops reading its stream) may :meth:`~Scheduler.pause`
+its request: its sequences leave the batch (no forward, no batch slot) but keep their KV until
+:meth:`~Scheduler.resume` (:mod:`hybridllm.engine.pausing`).
+
 Finished sequences leave the running set at once and their KV is freed before their last
 event is sent. Every sequence keeps its own KV cache (paged, in whatever tiers its strategy
 uses); all of them count in one shared :class:`~hybridllm.kvcache.base.MemoryLedger`, so a
@@ -63,6 +67,7 @@ from hybridllm.engine.admission import (
 from hybridllm.engine.logprobs import TokenLogprob, sequence_logprobs, token_logprob
 from hybridllm.engine.metrics import HostPeakMemory
 from hybridllm.engine.output import RequestOutput, check_prompt
+from hybridllm.engine.pausing import PausedRequests
 from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.sampling import Sampler
 from hybridllm.engine.sequence import SeqEvent, SequenceKV, SequenceState
@@ -77,12 +82,20 @@ from hybridllm.timing import synchronize
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdmissionError", "QueueFullError", "Scheduler", "SchedulerObserver", "SeqEvent", "SequenceState"]
+__all__ = ["AdmissionError", "QueueFullError", "RequestLoopStopped", "Scheduler", "SchedulerObserver", "SeqEvent",
+           "SequenceState"]
 
 # Prompt tokens a step may prefill, in chunks, while no sequence is decoding: a burst of requests
 # starts with its prompts prefilled in fewer, larger forwards (the chunks themselves stay
 # ``prefill_chunk`` long, so no sequence's forwards change).
 IDLE_PREFILL_CHUNKS = 4
+# How long the loop thread sleeps after a step that could run nothing (every running request
+# paused, the queue's head waiting for their KV) unless something wakes it first.
+IDLE_RECHECK_S = 0.05
+
+
+class RequestLoopStopped(HybridLLMError):
+    """The request loop stopped (the server is shutting down) before the request finished."""
 
 
 class SchedulerObserver:
@@ -158,6 +171,7 @@ class Scheduler:
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._running: list[SequenceState] = []
         self._abort_ids: set[str] = set()
+        self._paused = PausedRequests()  # requests whose consumer is not keeping up
         self._reserved = 0  # KV bytes promised to running sequences
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -222,6 +236,20 @@ class Scheduler:
             self._abort_ids.add(request_id)
             self._cond.notify()
 
+    def pause(self, request_id: str) -> None:
+        """Take a running request out of the batch from the next step on: its sequences run no
+        forward and leave their batch slots to others, but keep their KV until :meth:`resume`
+        (or :meth:`abort`). For a consumer that cannot take more events (a client that stopped
+        reading); safe from any thread, including from within a sink."""
+        with self._cond:
+            self._paused.pause(request_id)
+
+    def resume(self, request_id: str) -> None:
+        """Let a paused request rejoin the batch (as soon as it has room for it)."""
+        with self._cond:
+            self._paused.resume(request_id)
+            self._cond.notify()
+
     def device_room_needed(self, prompt_len: int) -> int:
         """Free device KV bytes a new sequence needs before its first prefill chunk can run.
 
@@ -275,7 +303,14 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Sequences in the batch (prefilling or decoding; paused ones not counted)."""
+        running = list(self._running)
+        return len(running) - self._paused.count(running)
+
+    @property
+    def num_paused(self) -> int:
+        """Sequences paused by their consumer (their KV kept)."""
+        return self._paused.count(list(self._running))
 
     @property
     def num_waiting(self) -> int:
@@ -311,8 +346,10 @@ class Scheduler:
         bus["hidden_states"] = self._hop_bytes
         page_bytes = self.page_size * self.token_bytes
         kv_bytes = {tier: self.ledger.current(tier) for tier in TIERS}
+        paused = self._paused.count(running)
         return {
-            "running": len(running),
+            "running": len(running) - paused,
+            "paused": paused,
             "waiting": len(self._waiting),
             "kv_bytes": kv_bytes,
             "kv_budget_bytes": {tier: self.ledger.budget(tier) for tier in TIERS},
@@ -333,11 +370,16 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     return
+            steps = self.steps
             try:
                 self.step()
             except Exception as exc:  # never let the loop die: fail what was running, keep serving
                 for seq in list(self._running):
-                    self._fail(seq, exc, "internal error")
+                    self._fail(seq, exc, "the request loop's step failed")
+            if self.steps == steps:  # nothing could run (only paused requests): wait for a change
+                with self._cond:
+                    if not (self._stopping or self._abort_ids or self._paused.has_resumes):
+                        self._cond.wait(IDLE_RECHECK_S)
 
     def has_work(self) -> bool:
         """Whether anything is queued, running or waiting to be aborted."""
@@ -354,10 +396,12 @@ class Scheduler:
         return steps
 
     def step(self) -> None:
-        """One iteration: aborts, admission, one batched decode per runner, chunked prefill."""
+        """One iteration: aborts, resumes, admission, one batched decode per runner, chunked prefill."""
         self._apply_aborts()
+        with self._cond:
+            self._paused.settle(self._running, self.max_batch)
         self._admit()
-        if not self._running:
+        if not self._batch():
             return
         self.steps += 1
         with torch.inference_mode():
@@ -376,10 +420,15 @@ class Scheduler:
                 self._release(seq)
                 self.observer.on_finished(seq)
 
+    def _batch(self) -> list[SequenceState]:
+        """The running sequences that are not paused."""
+        with self._cond:
+            return self._paused.in_batch(self._running)
+
     def _admit(self) -> None:
         while True:
             with self._cond:
-                if not self._waiting or len(self._running) + self._waiting[0].params.n > self.max_batch:
+                if not self._waiting or len(self._batch()) + self._waiting[0].params.n > self.max_batch:
                     return
                 seq = self._waiting[0]
                 if admission_decision(seq.kv_bytes, self._reserved, self.capacity) != "admit":
@@ -444,7 +493,7 @@ class Scheduler:
     # ---- forwards ----------------------------------------------------------------------------
     def _decode_step(self) -> int:
         """One batched forward per runner of every decoding sequence; returns the rows decoded."""
-        ready = [seq for seq in self._running if seq.pending is not None]
+        ready = [seq for seq in self._batch() if seq.pending is not None]
         groups: dict[int, list[SequenceState]] = {}
         for seq in ready:
             groups.setdefault(id(seq.runner), []).append(seq)
@@ -490,12 +539,12 @@ class Scheduler:
         tokens run. While no sequence is decoding (nothing waits on the step) the step may take
         ``IDLE_PREFILL_CHUNKS`` chunks' worth of prompts. A sequence whose prompt starts with the
         page another one is prefilling in this step waits for the next step, and reuses that page then."""
-        decoding = any(seq.pending is not None for seq in self._running)
+        decoding = any(seq.pending is not None for seq in self._batch())
         budget = self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
         used = 0
         planned: list[tuple[SequenceState, int, int]] = []
         in_flight: set[bytes] = set()  # first pages being prefilled (not cached yet) in this step
-        for seq in [s for s in self._running if s.in_prefill]:
+        for seq in [s for s in self._batch() if s.in_prefill]:
             first_page = self._first_page(seq)
             if first_page in in_flight:
                 continue
@@ -837,9 +886,11 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
+        stopped = RequestLoopStopped(message)
         for seq in waiting:
             seq.finish_reason = "error"
-            self._emit(seq, SeqEvent(seq.request_id, error=message, prompt_tokens=len(seq.prompt_ids)))
+            self._emit(seq, SeqEvent(seq.request_id, error=message, exception=stopped,
+                                     prompt_tokens=len(seq.prompt_ids)))
             self.observer.on_finished(seq)
         for seq in list(self._running):
-            self._finish_error(seq, None, message)
+            self._finish_error(seq, stopped, message)

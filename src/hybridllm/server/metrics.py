@@ -96,6 +96,9 @@ class ServerMetrics(SchedulerObserver):
             self.request_success.labels(model_name, reason)
         for reason in ("queue_full", "kv_budget", "invalid", "unauthorized", "request_too_large", "shutting_down"):
             self.rejected.labels(model_name, reason)
+        self.stream_stalls = Counter(
+            f"{PREFIX}stream_stalls", "Streams closed (their requests aborted) because the client read nothing for "
+            "--stream-stall-timeout seconds.", labels, registry=reg).labels(model_name)
         self.adaptive_actions = Counter(
             f"{PREFIX}adaptive_actions", "Re-planning actions taken while requests ran (--kv-adaptive), by kind.",
             ["model_name", "action"], registry=reg)
@@ -138,6 +141,10 @@ class ServerMetrics(SchedulerObserver):
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
+    def on_stream_stalled(self) -> None:
+        """A stream's client read nothing for the stall timeout: its request is aborted."""
+        self.stream_stalls.inc()
+
     # ---- exposition ----------------------------------------------------------------------
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -179,6 +186,10 @@ class _EngineCollector(Collector):
         yield g
         g = gauge("num_requests_waiting", "Requests in the queue.")
         g.add_metric([name], state.waiting)
+        yield g
+        g = gauge("num_requests_paused", "Sequences paused because their client stopped reading (KV kept, out of "
+                  "the batch).")
+        g.add_metric([name], state.paused)
         yield g
         g = gauge("kv_cache_bytes", "KV cache bytes held, per tier (the ledger).", ["tier"])
         for tier, n in state.kv_bytes.items():

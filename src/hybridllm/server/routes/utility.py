@@ -14,6 +14,7 @@ from hybridllm.server.context import ServerContext, require_api_key, server_cont
 from hybridllm.server.metrics import CONTENT_TYPE
 from hybridllm.server.protocol import (
     ERROR_RESPONSES,
+    RETRY_AFTER_S,
     APIError,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -55,13 +56,17 @@ async def version(ctx: ServerContext = Depends(server_context)) -> Any:
             "weights_format": ctx.view.placement.weights_format}
 
 
+@router.head("/health", response_model=Health, operation_id="health_head",
+             summary="/health's status without its body (load balancers probe with HEAD)")
 @router.get("/health", response_model=Health,
-            summary="200 while the scheduler runs, 503 when stopped or draining for shutdown")
+            summary="200 while the scheduler runs, 503 (with Retry-After) when stopped or draining for shutdown")
 async def health(ctx: ServerContext = Depends(server_context)) -> Any:
     status = "draining" if ctx.draining.active else "ok" if ctx.view.is_running else "stopped"
     running, waiting = ctx.view.requests()
     body = {"status": status, "running": running, "waiting": waiting}
-    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+    if status == "ok":
+        return JSONResponse(body)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
