@@ -66,11 +66,14 @@ def greedy_token(logits: torch.Tensor) -> int:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL-style penalty: seen tokens' positive logits are divided, negative ones multiplied."""
+    """CTRL-style penalty: seen tokens' positive logits are divided, negative ones multiplied. A
+    penalty so small that float32 rounds it to 0 makes the largest finite logit, not +inf (which
+    would turn the probabilities into NaN)."""
     seen = torch.unique(history)
     scores = logits[seen]
     logits = logits.clone()
-    logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    penalized = torch.where(scores > 0, scores / penalty, scores * penalty)
+    logits[seen] = torch.nan_to_num(penalized, posinf=torch.finfo(logits.dtype).max)
     return logits
 
 
@@ -90,10 +93,13 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability mass reaches ``top_p``."""
+    """Keep the smallest set of most likely tokens whose probability mass reaches ``top_p`` (at
+    least the most likely one, however small ``top_p``: a float32 comparison rounds a subnormal
+    ``top_p`` to 0)."""
     sorted_logits, order = torch.sort(logits, descending=True)
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this token
+    remove_sorted[0] = False
     remove = torch.zeros_like(remove_sorted).scatter(0, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 

@@ -47,20 +47,23 @@ class RequestEvents:
         request_id: the request.
         capacity: events held before the request is paused (it resumes at half).
         stall_timeout_s: how long a paused request may wait for its client to read anything.
+        on_pause: called (on the loop thread) each time the request is paused.
     """
 
     def __init__(self, scheduler: Any, request_id: str, capacity: int = STREAM_BUFFER_EVENTS,
-                 stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
+                 on_pause: Callable[[], None] | None = None) -> None:
         self.scheduler = scheduler
         self.request_id = request_id
         self.capacity = max(2, capacity)
         self.stall_timeout_s = stall_timeout_s
+        self.on_pause = on_pause
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
         self._lock = threading.Lock()  # _held and _paused are shared by both threads
         self._held = 0  # handed over by the loop thread, not taken yet
         self._paused = False
-        self._progress = asyncio.Event()  # set at each event taken (wakes the stall watch)
+        self._changed = asyncio.Event()  # set at each event taken and at a pause (wakes the stall watch)
         self._last_taken = time.monotonic()
 
     @property
@@ -85,6 +88,9 @@ class RequestEvents:
                 self._last_taken = time.monotonic()  # the stall is counted from here
         if pause:
             self.scheduler.pause(self.request_id)
+            if self.on_pause is not None:
+                self.on_pause()
+            self._loop.call_soon_threadsafe(self._changed.set)
         self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
     async def get(self) -> SeqEvent:
@@ -95,8 +101,8 @@ class RequestEvents:
             resume = self._paused and self._held <= self.capacity // 2
             if resume:
                 self._paused = False
-        self._last_taken = time.monotonic()
-        self._progress.set()
+            self._last_taken = time.monotonic()
+        self._changed.set()
         if resume:
             self.scheduler.resume(self.request_id)
         return event
@@ -104,15 +110,17 @@ class RequestEvents:
     async def stalled(self) -> None:
         """Return once the request has been paused with nothing read for ``stall_timeout_s``."""
         while True:
-            self._progress.clear()
-            if self.paused:
-                left = self._last_taken + self.stall_timeout_s - time.monotonic()
-                if left <= 0:
-                    return
-            else:
-                left = self.stall_timeout_s
+            self._changed.clear()  # before reading the state: a change after it wakes the wait
+            with self._lock:
+                paused, last_taken = self._paused, self._last_taken
+            if not paused:
+                await self._changed.wait()
+                continue
+            left = last_taken + self.stall_timeout_s - time.monotonic()
+            if left <= 0:
+                return
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._progress.wait(), left)
+                await asyncio.wait_for(self._changed.wait(), left)
 
 
 async def wait_disconnected(request: Request) -> None:

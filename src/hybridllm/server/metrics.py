@@ -96,6 +96,9 @@ class ServerMetrics(SchedulerObserver):
             self.request_success.labels(model_name, reason)
         for reason in ("queue_full", "kv_budget", "invalid", "unauthorized", "request_too_large", "shutting_down"):
             self.rejected.labels(model_name, reason)
+        self.stream_pauses = Counter(
+            f"{PREFIX}stream_pauses", "Times a stream's request was paused because its client fell behind (its send "
+            "buffer full).", labels, registry=reg).labels(model_name)
         self.stream_stalls = Counter(
             f"{PREFIX}stream_stalls", "Streams closed (their requests aborted) because the client read nothing for "
             "--stream-stall-timeout seconds.", labels, registry=reg).labels(model_name)
@@ -140,6 +143,10 @@ class ServerMetrics(SchedulerObserver):
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
+
+    def on_stream_paused(self) -> None:
+        """A stream's client fell behind: its request is paused (loop thread)."""
+        self.stream_pauses.inc()
 
     def on_stream_stalled(self) -> None:
         """A stream's client read nothing for the stall timeout: its request is aborted."""

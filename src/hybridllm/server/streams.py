@@ -91,7 +91,8 @@ async def submit(ctx: ServerContext, request_id: str, prompt_ids: list[int], par
 
     A structured-output request compiles its grammar while queued: that runs on a worker thread
     so that the event loop keeps serving the other requests meanwhile."""
-    events = RequestEvents(ctx.scheduler, request_id, stall_timeout_s=ctx.stream_stall_timeout_s)
+    events = RequestEvents(ctx.scheduler, request_id, stall_timeout_s=ctx.stream_stall_timeout_s,
+                           on_pause=ctx.metrics.on_stream_paused)
     try:
         if params.structured is None:
             ctx.scheduler.submit(request_id, prompt_ids, params, events.sink)

@@ -1,0 +1,94 @@
+"""Every route of the server driven from its own OpenAPI schema with Schemathesis (issue 38).
+
+A server of a tiny random model (512-token context, so every generation is short) on a loopback
+port; Schemathesis reads ``/openapi.json`` from it and sends each operation a bounded number of
+generated requests, valid and invalid (Schemathesis' positive and negative modes, Hypothesis
+derandomized: the same requests each run): no answer may be 5xx, every 4xx carries an OpenAI error object, and the server answers a normal
+request afterwards. Nothing leaves the machine: Schemathesis has no telemetry, Hypothesis keeps no
+example database here (``database=None``), and every request goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import httpx
+import json
+from pathlib import Path
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.config import SchemathesisConfig
+from schemathesis.generation import GenerationMode
+from test_server import InProcessServer
+
+from hybridllm import LLM
+from hybridllm.engine.scheduler import Scheduler
+from hybridllm.server.app import create_app
+
+pytestmark = pytest.mark.slow  # a few hundred generated requests
+
+MAX_EXAMPLES = 150  # per operation and mode: about 600 requests in all
+SEED = 38
+ERROR_KEYS = {"message", "type", "param", "code"}
+seen_statuses: dict[str, set[int]] = {}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_models):
+    llm = LLM(tiny_models["llama"][0], device="cpu", threads=1)
+    sched = Scheduler(llm.runtime, max_batch=4, max_queue=64)
+    app = create_app(llm, sched, max_request_bytes=256 * 1024, stream_stall_timeout_s=10)
+    with InProcessServer(app) as srv:
+        yield srv.base
+
+
+@pytest.fixture(scope="module")
+def operations(fuzz_server) -> list:
+    """Every operation of the server's own schema, read from it over loopback."""
+    config = SchemathesisConfig.from_dict({"seed": SEED, "base-url": fuzz_server, "request-timeout": 120})
+    schema = schemathesis.openapi.from_url(f"{fuzz_server}/openapi.json", config=config)
+    return [result.ok() for result in schema.get_all_operations()]
+
+
+def check(case, base: str) -> None:
+    """One generated request: never 5xx; a 4xx carries an OpenAI error object."""
+    response = case.call(base_url=base, timeout=120)
+    seen_statuses.setdefault(case.operation.label, set()).add(response.status_code)
+    if response.status_code >= 500:
+        Path('/tmp/fuzzcase.json').write_text(json.dumps(case.body))
+    assert response.status_code < 500, (case.as_curl_command(), response.text[:500])  # FUZZDEBUG
+    if response.status_code >= 400 and case.method.upper() != "HEAD":
+        error = response.json().get("error")
+        assert isinstance(error, dict) and set(error) == ERROR_KEYS, (case.as_curl_command(), response.text[:500])
+        assert isinstance(error["message"], str) and 0 < len(error["message"]) < 1000
+        assert "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_no_server_error_and_every_client_error_is_an_openai_error_object(fuzz_server, operations, mode):
+    assert fuzz_server.startswith("http://127.0.0.1:") and len(operations) >= 10
+    model = httpx.get(f"{fuzz_server}/v1/models").json()["data"][0]["id"]
+    for operation in operations:
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+        def fuzz(case) -> None:
+            if mode == GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
+                case.body["model"] = model  # the served model: valid requests reach the engine
+            check(case, fuzz_server)
+
+        try:
+            fuzz()
+        except Unsatisfiable:  # nothing to get wrong: an operation without parameters or body
+            assert mode == GenerationMode.NEGATIVE and not operation.body and not operation.query, operation.label
+
+
+def test_the_server_answers_a_normal_request_after_the_fuzzing(fuzz_server):
+    for label in ("POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize", "POST /detokenize"):
+        assert 200 in seen_statuses[label] and any(400 <= code < 500 for code in seen_statuses[label]), label
+    model = httpx.get(f"{fuzz_server}/v1/models").json()["data"][0]["id"]
+    reply = httpx.post(f"{fuzz_server}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    health = httpx.get(f"{fuzz_server}/health").json()
+    assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
