@@ -17,7 +17,6 @@ import json
 import logging
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import httpx
 import psutil
 import pytest
 import torch
-from test_server import InProcessServer, free_port, metrics, serve_process
+from test_server import InProcessServer, metrics, serve_process
 from tiny_models import build_hf_model
 
 from hybridllm import LLM, SamplingParams
@@ -458,7 +457,7 @@ def test_a_slow_reader_pauses_resumes_and_gets_the_whole_answer(tiny_server, tin
         wait_for(lambda: metrics(base)["hybridllm:stream_pauses_total"] > before["hybridllm:stream_pauses_total"],
                  "the stream paused")
         sock.settimeout(60)
-        while not b"data: [DONE]" in b"".join(chunks[-2:]):
+        while b"data: [DONE]" not in b"".join(chunks[-2:]):
             chunks.append(sock.recv(2048))
             time.sleep(0.001)  # slowly, but reading: never given up on
             assert chunks[-1], "the server closed the stream"

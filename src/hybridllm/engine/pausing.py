@@ -41,9 +41,6 @@ class PausedRequests:
         if request_id in self._paused:
             self._resuming[request_id] = None
 
-    def is_paused(self, request_id: str) -> bool:
-        return request_id in self._paused
-
     def settle(self, running: Sequence[_Sequence], max_batch: int) -> None:
         """Forget requests that are no longer running; let resumed ones rejoin while the batch
         has room for all of their sequences (first asked, first back)."""

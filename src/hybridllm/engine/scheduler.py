@@ -386,7 +386,8 @@ class Scheduler:
         return bool(self._waiting or self._running or self._abort_ids)
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
-        """Run steps on the calling thread until nothing is queued or running (tests, tools)."""
+        """Run steps on the calling thread until nothing is queued or running (tests, tools; a
+        paused request counts as running: resume or abort it first)."""
         if self.is_running:
             raise RuntimeError("the loop thread is running; do not step from another thread")
         steps = 0

@@ -56,7 +56,9 @@ def ray_serve(app: Application, *, address: str | None, host: str, port: int) ->
     local = address is None
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        ray.init(address=address, logging_level=logging.WARNING, **({"include_dashboard": False} if local else {}))
+        # "local": a new cluster of our own, never one that `ray start` left running on this machine
+        ray.init(address=address or "local", logging_level=logging.WARNING,
+                 **({"include_dashboard": False} if local else {}))
     except ConnectionError as exc:
         raise RayServeError(f"--ray-address {address}: {last_line(exc)} (start one with `ray start --head`)") from None
     for sig, handler in handlers.items():  # ray.init's SIGTERM handler would exit without stopping Serve
