@@ -131,7 +131,7 @@ def _quantize_iq4_nl(rows: np.ndarray) -> np.ndarray:
 
 def test_iq4_nl_file_loads_and_matches_transformers_on_its_values(tiny_models, tmp_path, monkeypatch):
     """A GGUF whose matrices are IQ4_NL (a type we read through the gguf package's table and
-    dequantizer): our logits equal transformers' with the same dequantized weights."""
+    dequantizer): our logits match transformers' with the same dequantized weights."""
     import gguf
     from tiny_models import build_hf_model
 
@@ -167,5 +167,9 @@ def test_iq4_nl_file_loads_and_matches_transformers_on_its_values(tiny_models, t
         ours = llm.model(torch.tensor([ids]), llm.new_cache(), start_pos=0, all_logits=True)[0]
         float_llm = LLM(folder)
         unquantized = float_llm.model(torch.tensor([ids]), float_llm.new_cache(), start_pos=0, all_logits=True)[0]
-    assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(ours, unquantized, atol=1e-3)  # the 4-bit weights do change the logits
+    # The native kernels multiply IQ4_NL rows by int8 activations (llama.cpp's scheme), so ours
+    # sits within that rounding of the float product; the 4-bit weights move the logits far more.
+    activation_rounding = (ours - expected).abs().max()
+    weight_rounding = (ours - unquantized).abs().max()
+    assert activation_rounding < 2e-3
+    assert weight_rounding > 10 * activation_rounding

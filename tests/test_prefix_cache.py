@@ -9,8 +9,8 @@ import logging
 import re
 
 import httpx
-import openai
 import pytest
+from conftest import OPENAI_MISSING, import_extra
 import torch
 from test_server import InProcessServer, serve_process
 
@@ -23,6 +23,8 @@ from hybridllm.kvcache.prefix_disk import DiskTier
 from hybridllm.kvcache.prefix_hash import PAGE_TOKENS, page_hashes, salt
 from hybridllm.kvcache.prefix_page import KVPage
 from hybridllm.server.app import create_app
+
+openai = import_extra("openai", OPENAI_MISSING)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPT = [(7 * i + 3) % 250 + 5 for i in range(150)]  # 4 whole pages and a partial one

@@ -17,14 +17,17 @@ from typing import Any
 
 import httpx
 import pytest
-from ray.exceptions import ActorDiedError
+from conftest import RAY_MISSING, import_extra
 from starlette.requests import Request
 
 from hybridllm import LLM
 from hybridllm.config import SamplingParams
-from hybridllm.server.ray.ingress import Ingress
-from hybridllm.server.ray.replica import EngineReplica, ServerOptions
 from hybridllm.server.routing import prefix_key
+
+ActorDiedError = import_extra("ray.exceptions", RAY_MISSING).ActorDiedError
+
+from hybridllm.server.ray.ingress import Ingress  # noqa: E402  (these import ray: after the skip)
+from hybridllm.server.ray.replica import EngineReplica, ServerOptions  # noqa: E402
 
 
 class FakeResponse:

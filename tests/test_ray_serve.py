@@ -22,12 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import psutil
 import pytest
+from conftest import OPENAI_MISSING, import_extra
 from serving_helpers import CHAT_PROMPTS, reference
 
 import hybridllm
+
+openai = import_extra("openai", OPENAI_MISSING)
 
 pytestmark = pytest.mark.slow  # a Ray cluster and two engine processes
 

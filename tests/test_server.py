@@ -20,10 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
 import httpx
-import openai
 import psutil
 import pytest
+from conftest import OPENAI_MISSING, import_extra
 from serving_helpers import CHAT_PROMPTS, MAX_TOKENS, reference
+
+openai = import_extra("openai", OPENAI_MISSING)
 
 pytestmark = pytest.mark.slow  # servers in their own processes, a soak test
 

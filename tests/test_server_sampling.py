@@ -12,13 +12,15 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
+from conftest import OPENAI_MISSING, import_extra
 import torch
 from test_server import InProcessServer
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.server.app import create_app
+
+openai = import_extra("openai", OPENAI_MISSING)
 
 TOL = 1e-4  # batched decode rows and a one-shot forward differ by float32 rounding only
 

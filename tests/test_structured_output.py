@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
+from conftest import OPENAI_MISSING, import_extra
 import torch
 from test_server import InProcessServer
 from tiny_models import build_hf_model
@@ -20,6 +20,8 @@ from hybridllm import LLM, SamplingParams, StructuredOutput
 from hybridllm.engine.scheduler import Scheduler
 from hybridllm.engine.structured import GrammarCompiler, GrammarError
 from hybridllm.loading.tokenizer import Tokenizer
+
+openai = import_extra("openai", OPENAI_MISSING)
 
 PERSON = {
     "type": "object",

@@ -2,15 +2,20 @@
 
     python tools/gpu_profile.py --random-weights configs/llama-3.2-1b.json --context 4096 \
         --backends eager,cuda-graph --out $OUT/profile
+    python tools/gpu_profile.py --random-weights configs/llama-3.2-1b.json --context 4096 \
+        --backends eager --kv-cache tiered --kv-offload-percent 90 --out $OUT/profile
 
-For each backend: builds ``LLM(RandomCheckpoint(config), device=cuda, dtype=bfloat16)``,
-prefills a random prompt of ``--context`` tokens on a cache of the runtime (the backend's own:
-static rows for ``cuda-graph``), times ``--steps`` greedy decode steps (CUDA-synchronized), then
-records ``--profile-steps`` more under ``torch.profiler`` (CPU + CUDA). Writes, per backend, a
-Chrome trace (``trace_<backend>.json``) and the top operators by CUDA time
-(``ops_<backend>.txt``), and prints one line per backend: ms/token, tok/s, kernel launches per
-token and, with the cache's ledger and the model's bytes, bytes read per token and the fraction
-of the device's measured bandwidth (``hybridllm.hardware.measure_gpu``).
+For each backend: builds ``LLM(RandomCheckpoint(config), device=cuda, dtype=bfloat16)`` with the
+KV cache ``--kv-cache``, prefills a random prompt of ``--context`` tokens on a cache of the
+runtime (the backend's own: static rows for ``cuda-graph``), times ``--steps`` greedy decode
+steps (CUDA-synchronized), then records ``--profile-steps`` more under ``torch.profiler`` (CPU +
+CUDA). Writes, per backend, a Chrome trace (``trace_<backend>_<kv cache>.json``), the top
+operators by CUDA time (``ops_<backend>_<kv cache>.txt``) and all backends' records in
+``decode_<context>_<kv cache>.json``, and prints one line per backend: ms/token, tok/s, kernel
+launches per token, the bytes the timed steps moved between host and device per token (tiered
+KV: q and partial outputs, evicted pages) and, with the cache's ledger and the model's bytes,
+bytes read per token and the fraction of the device's measured bandwidth
+(``hybridllm.hardware.measure_gpu``).
 """
 
 from __future__ import annotations
@@ -37,9 +42,17 @@ def decode_steps(llm: LLM, cache, token: torch.Tensor, steps: int) -> torch.Tens
     return token
 
 
+def bus_bytes(cache) -> int:
+    """Bytes ``cache`` has moved between host and device so far (both directions)."""
+    return sum(cache.bus_bytes.values())
+
+
 def run_backend(args: argparse.Namespace, backend: str, bandwidth_gbs: float | None, out: Path) -> dict:
+    kv_options = {"kv_cache": args.kv_cache}
+    if args.kv_offload_percent is not None:
+        kv_options["kv_offload_percent"] = args.kv_offload_percent
     llm = LLM(RandomCheckpoint(args.random_weights, args.dtype, seed=0), device=args.device, dtype=args.dtype,
-              decode_backend=backend)
+              decode_backend=backend, **kv_options)
     device = llm.engine_config.torch_device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     cache = llm.new_cache()
@@ -54,24 +67,27 @@ def run_backend(args: argparse.Namespace, backend: str, bandwidth_gbs: float | N
         prefill_s = time.perf_counter() - t0
         token = decode_steps(llm, cache, logits[:, -1].argmax(-1, keepdim=True), 3)  # warm-up (and capture)
         synchronize(device)
-        t0 = time.perf_counter()
+        bus_before, t0 = bus_bytes(cache), time.perf_counter()
         token = decode_steps(llm, cache, token, args.steps)
         synchronize(device)
         step_s = (time.perf_counter() - t0) / args.steps
+        bus_per_token = (bus_bytes(cache) - bus_before) / args.steps
         with profile(activities=activities) as prof:
             decode_steps(llm, cache, token, args.profile_steps)
             synchronize(device)
-    prof.export_chrome_trace(str(out / f"trace_{backend}.json"))
+    prof.export_chrome_trace(str(out / f"trace_{backend}_{args.kv_cache}.json"))
     table = prof.key_averages().table(sort_by=f"{device.type}_time_total", row_limit=40)
-    (out / f"ops_{backend}.txt").write_text(table + "\n")
+    (out / f"ops_{backend}_{args.kv_cache}.txt").write_text(table + "\n")
     launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                       "cudaGraphLaunch", "cudaLaunchKernelExC"))
     bytes_per_token = llm.decode_weight_bytes + cache.ledger.current("device")
     limit = bandwidth_gbs * 1e9 / bytes_per_token if bandwidth_gbs else None
     record = {
-        "backend": backend, "context": args.context, "dtype": args.dtype,
+        "backend": backend, "kv_cache": args.kv_cache, "kv_offload_percent": args.kv_offload_percent,
+        "context": args.context, "dtype": args.dtype,
         "prefill_tps": args.context / prefill_s, "decode_ms": 1000 * step_s, "decode_tps": 1 / step_s,
-        "launches_per_token": launches / args.profile_steps, "bytes_per_token": bytes_per_token,
+        "launches_per_token": launches / args.profile_steps, "bus_bytes_per_token": bus_per_token,
+        "bytes_per_token": bytes_per_token,
         "bandwidth_gbs": bandwidth_gbs, "limit_tps": limit,
         "limit_fraction": (1 / step_s) / limit if limit else None,
         "notes": llm.runner.report.notes,
@@ -96,14 +112,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--backends", default="eager,cuda-graph")
+    parser.add_argument("--kv-cache", default="dynamic", help="the KV cache of every backend (cuda-graph: dynamic)")
+    parser.add_argument("--kv-offload-percent", type=float, help="tiered: percent of the KV kept on the host")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = measure_gpu(0) if args.device.startswith("cuda") else None
     bandwidth = gpu.bandwidth_gbs if gpu is not None else None
     records = [run_backend(args, backend, bandwidth, args.out) for backend in args.backends.split(",")]
-    (args.out / f"decode_{args.context}.json").write_text(json.dumps({"gpu": gpu and gpu.name, "rows": records},
-                                                                      indent=2) + "\n")
+    (args.out / f"decode_{args.context}_{args.kv_cache}.json").write_text(
+        json.dumps({"gpu": gpu and gpu.name, "rows": records}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

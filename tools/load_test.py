@@ -8,8 +8,10 @@
 
 Defaults: 64 requests, 16 in flight at once, 32 new tokens each (greedy, end-of-sequence
 ignored, so every request generates exactly that many), 16 different chat prompts in turn,
-streamed so time to first token is measured. Bounded: at most 256 requests and 64 in flight,
-a total time limit (``--time-limit``), and loopback addresses only.
+streamed so time to first token is measured. ``--warmup-burst`` first sends one unmeasured burst
+of the same shape (a ``--decode-backend cuda-graph`` server captures its graphs there). Bounded:
+at most 256 requests and 64 in flight, a total time limit (``--time-limit``), and loopback
+addresses only.
 
 Prints requests/s, generated tokens/s, TTFT and latency percentiles and the failure count;
 ``--json`` writes them. Exits 1 if any request failed.
@@ -168,6 +170,8 @@ def burst(args: argparse.Namespace, concurrency: int, max_batch: int) -> dict[st
         model = args.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         httpx.post(f"{url}/v1/chat/completions", timeout=300, json={  # warm-up, not measured
             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        if args.warmup_burst:  # the burst's own shape once, not measured: every batch size and length seen
+            asyncio.run(run_load(url, model, concurrency, concurrency, args.max_tokens, args.time_limit))
         result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
     finally:
         if proc is not None:
@@ -220,6 +224,9 @@ def main() -> None:
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `hybridllm serve` argument")
     parser.add_argument("--compare", type=int, default=0, metavar="N",
                         help="N rounds of the burst with --concurrency in flight vs one at a time (fresh servers)")
+    parser.add_argument("--warmup-burst", action="store_true",
+                        help="before measuring, one unmeasured burst of --concurrency requests of --max-tokens "
+                             "(a cuda-graph server captures its batch sizes and key spans there, not in the measure)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     if not 1 <= args.requests <= MAX_REQUESTS or not 1 <= args.concurrency <= MAX_CONCURRENCY:

@@ -7,8 +7,8 @@ Speed does not depend on the weights' values, so these files measure what the pu
 would (the same tensor shapes and, through llama.cpp's quantizer, the same per-tensor type mix of
 a Q4_K_M file). Nothing is downloaded: the weights are drawn from a seed
 (:class:`~hybridllm.loading.random_checkpoint.RandomCheckpoint`), and the vocabulary is the default
-model's byte-level BPE padded with unused tokens to the config's vocabulary size, which both
-engines load (the prompt ids are the same for both).
+model's byte-level BPE fitted to the config's vocabulary size (padded with unused tokens, or cut
+to its first tokens), which both engines load (the prompt ids are the same for both).
 """
 
 from __future__ import annotations
@@ -33,14 +33,23 @@ PAD_TOKEN = "<|unused_{}|>"
 NORMAL_TOKEN = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
 
 
-def padded_vocab_metadata(vocab_size: int) -> dict[str, object]:
-    """The default model's ``tokenizer.*`` metadata with its token list padded to ``vocab_size``
-    (a model's vocabulary may be larger than the one its prompts are written in)."""
+def vocab_metadata(vocab_size: int) -> dict[str, object]:
+    """The default model's ``tokenizer.*`` metadata with ``vocab_size`` tokens: its list padded
+    with unused tokens, or cut to its first ``vocab_size`` (byte-level BPE lists tokens in merge
+    order: the merges whose parts and result are kept stay, so every text still tokenizes)."""
     source = GGUFFile(default_model_path()).metadata
     meta = {key: value for key, value in source.items() if key.startswith("tokenizer.") and key != "tokenizer.chat_template"}
     tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
     if vocab_size < len(tokens):
-        raise ConfigError(f"a vocabulary of {vocab_size} is smaller than the prompts' ({len(tokens)} tokens)")
+        tokens, types = tokens[:vocab_size], types[:vocab_size]
+        kept = set(tokens)
+        merges = [m for m in meta["tokenizer.ggml.merges"]
+                  if all(part in kept for part in m.split(" ", 1)) and m.replace(" ", "", 1) in kept]
+        meta["tokenizer.ggml.merges"] = merges
+        for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                    "tokenizer.ggml.padding_token_id"):
+            if key in meta and meta[key] >= vocab_size:
+                raise ConfigError(f"a vocabulary of {vocab_size} tokens leaves out the prompts' special token {key}")
     tokens += [PAD_TOKEN.format(i) for i in range(len(tokens), vocab_size)]
     types += [NORMAL_TOKEN] * (vocab_size - len(types))
     meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"] = tokens, types
@@ -70,7 +79,7 @@ def write_random_gguf(config_path: str | os.PathLike, path: str | os.PathLike, w
     random weights (norms 1, biases 0), its matrices in ``weight_type``."""
     checkpoint = RandomCheckpoint(config_path, torch.float32, seed)
     return write_gguf(path, checkpoint.config, _RandomTensors(checkpoint),
-                      padded_vocab_metadata(checkpoint.config.vocab_size), weight_type)
+                      vocab_metadata(checkpoint.config.vocab_size), weight_type)
 
 
 def quantize_with_llama_cpp(source: str | os.PathLike, path: str | os.PathLike, file_type: str = "Q4_K_M",

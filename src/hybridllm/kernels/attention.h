@@ -87,34 +87,58 @@ inline void sum4(const f32xW v[4], float out[4]) {
 // float32 or float16 as stored). d a multiple of WLANES: keys four at a time (each key vector
 // loaded once for every query), the missing ones of the last four zeros (a key's dot does not
 // depend on its neighbours); else one key at a time, plain FMAs in order.
+template <int VECS, int G, bool FULL, typename T>
+inline void score_four(const float* q, const T* keys, int64_t t, int valid, float scale, float* scores,
+                       int64_t stride) {
+  constexpr int64_t D = VECS * WLANES;
+  f32xW dots[G][4] = {};
+  for (int i = 0; i < VECS; ++i) {
+    f32xW k[4];
+    for (int j = 0; j < 4; ++j) k[j] = (FULL || j < valid) ? load_wide(keys + (t + j) * D + i * WLANES) : f32xW{};
+    for (int g = 0; g < G; ++g) {
+      const f32xW qv = load_wide(q + g * D + i * WLANES);
+      for (int j = 0; j < 4; ++j) dots[g][j] = fma_wide(qv, k[j], dots[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float sums[4];
+    sum4(dots[g], sums);
+    for (int j = 0; j < (FULL ? 4 : valid); ++j) scores[g * stride + t + j] = sums[j] * scale;
+  }
+}
+
+template <int VECS, int G, typename T>
+void scores_fixed(const float* q, const T* keys, int64_t n, float scale, float* scores, int64_t stride) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
+  if (t < n) score_four<VECS, G, false>(q, keys, t, static_cast<int>(n - t), scale, scores, stride);
+}
+
+// scores[g * stride + t] = scale * q_g . key_t for G queries (q: G x d) and n keys (rows of d,
+// float32 or float16 as stored): per key a dot in WLANES lanes (FMAs in order over d), then sum4's
+// reduction. Keys four at a time (each key vector loaded once for every query); the missing ones
+// of the last four are zeros (a key's dot does not depend on its neighbours). d not a multiple of
+// WLANES: one key at a time, plain FMAs in order.
 template <int G, typename T>
 void block_scores(const float* q, const T* keys, int64_t n, int64_t d, float scale, float* scores, int64_t stride) {
-  if (d % WLANES) {
-    for (int64_t t = 0; t < n; ++t)
-      for (int g = 0; g < G; ++g) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < d; ++i) s = std::fma(q[g * d + i], to_float(keys[t * d + i]), s);
-        scores[g * stride + t] = s * scale;
-      }
-    return;
-  }
-  for (int64_t t = 0; t < n; t += 4) {
-    const int valid = static_cast<int>(std::min<int64_t>(4, n - t));
-    f32xW dots[G][4] = {};
-    for (int64_t i = 0; i < d; i += WLANES) {
-      f32xW k[4] = {};
-      for (int j = 0; j < valid; ++j) k[j] = load_wide(keys + (t + j) * d + i);
-      for (int g = 0; g < G; ++g) {
-        const f32xW qv = load_wide(q + g * d + i);
-        for (int j = 0; j < 4; ++j) dots[g][j] = fma_wide(qv, k[j], dots[g][j]);
-      }
+  if (d % WLANES == 0) {
+    switch (d / WLANES) {
+      case 1: return scores_fixed<1, G>(q, keys, n, scale, scores, stride);
+      case 2: return scores_fixed<2, G>(q, keys, n, scale, scores, stride);
+      case 4: return scores_fixed<4, G>(q, keys, n, scale, scores, stride);
+      case 6: return scores_fixed<6, G>(q, keys, n, scale, scores, stride);
+      case 8: return scores_fixed<8, G>(q, keys, n, scale, scores, stride);
+      case 16: return scores_fixed<16, G>(q, keys, n, scale, scores, stride);
+      case 32: return scores_fixed<32, G>(q, keys, n, scale, scores, stride);
+      default: break;
     }
+  }
+  for (int64_t t = 0; t < n; ++t)
     for (int g = 0; g < G; ++g) {
-      float sums[4];
-      sum4(dots[g], sums);
-      for (int j = 0; j < valid; ++j) scores[g * stride + t + j] = sums[j] * scale;
+      float s = 0.0f;
+      for (int64_t i = 0; i < d; ++i) s = std::fma(q[g * d + i], to_float(keys[t * d + i]), s);
+      scores[g * stride + t] = s * scale;
     }
-  }
 }
 
 // ---- values --------------------------------------------------------------------------------
@@ -127,11 +151,14 @@ void accumulate_fixed(const T* values, int64_t n, const float* p, int64_t stride
     f32xW a[G][VECS];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < VECS; ++i) a[g][i] = load<f32xW>(acc + g * D + WLANES * i);
-    for (int64_t t = 0; t < n; ++t)
+    for (int64_t t = 0; t < n; ++t) {
+      f32xW weight[G];
+      for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
       for (int i = 0; i < VECS; ++i) {
         const f32xW v = load_wide(values + t * D + WLANES * i);
-        for (int g = 0; g < G; ++g) a[g][i] = fma_wide(f32xW{} + p[g * stride + t], v, a[g][i]);
+        for (int g = 0; g < G; ++g) a[g][i] = fma_wide(weight[g], v, a[g][i]);
       }
+    }
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[g][i]);
   } else {
@@ -166,14 +193,14 @@ void accumulate_values(const T* values, int64_t n, int64_t d, const float* p, in
 
 // s[t] = exp(s[t] - shift) for t < n; returns their sum (lanes by index, then the tail).
 inline float exp_shifted(float* s, int64_t n, float shift) {
-  f32xL sums = {};
+  f32xW sums = {};
   int64_t t = 0;
-  for (; t + LANES <= n; t += LANES) {
-    const f32xL e = exp_vector(load<f32xL>(s + t) - shift);
+  for (; t + WLANES <= n; t += WLANES) {
+    const f32xW e = exp_vector(load<f32xW>(s + t) - shift);
     store(s + t, e);
     sums += e;
   }
-  float sum = sum_lanes(sums);
+  float sum = sum_wide(sums);
   for (; t < n; ++t) {
     s[t] = exp_clamped(s[t] - shift);
     sum += s[t];
@@ -247,61 +274,116 @@ struct Partial {
   float* o;  // (G, d)
 };
 
-// The block of keys [lo, hi) (within one KEY_BLOCK-aligned block) of G queries q (G, d) of one KV
-// head: out.m/l/o per query, as the arithmetic at the top of this file says.
-template <int G>
-void attend_block(const float* q, const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi, int64_t d,
-                  const ScoreOptions& options, Partial out, BlockScratch& scratch) {
-  scratch.reserve(G, d);
-  float* scores = scratch.scores.data();
-  const int64_t n = hi - lo;
-  // scores of every segment's part of the block
+// The keys and values [lo, hi) of one KV head as rows the kernels read: in place where one dense
+// run holds them all (float16 too, unless `widen`), else gathered into the scratch as float32
+// (float16 widened exactly, quantized tokens dequantized). Either way the same values.
+struct BlockKV {
+  const void* keys;
+  const void* values;
+  bool half;
+};
+
+inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi, int64_t d,
+                        BlockScratch& scratch, bool widen) {
+  for (int s = 0; s < cache.n_segments; ++s) {
+    const HLKVSegment& seg = cache.segments[s];
+    const bool dense = seg.format == KV_F32 || (seg.format == KV_F16 && !widen);
+    if (dense && seg.position <= lo && hi <= seg.position + seg.tokens) {
+      const Rows keys = segment_rows(seg, true, head, seg.row0 + (lo - seg.position), hi - lo, d, nullptr);
+      const Rows values = segment_rows(seg, false, head, seg.row0 + (lo - seg.position), hi - lo, d, nullptr);
+      return {keys.data, values.data, keys.half};
+    }
+  }
   for (int s = 0; s < cache.n_segments; ++s) {
     const HLKVSegment& seg = cache.segments[s];
     const int64_t a = std::max(lo, seg.position), b = std::min(hi, seg.position + seg.tokens);
     if (a >= b) continue;
-    const Rows keys = segment_rows(seg, true, head, seg.row0 + (a - seg.position), b - a, d, scratch.keys.data());
-    if (keys.half)
-      block_scores<G>(q, static_cast<const uint16_t*>(keys.data), b - a, d, options.scale, scores + (a - lo), KEY_BLOCK);
-    else
-      block_scores<G>(q, static_cast<const float*>(keys.data), b - a, d, options.scale, scores + (a - lo), KEY_BLOCK);
+    const int64_t row = seg.row0 + (a - seg.position);
+    for (int k = 0; k < 2; ++k) {
+      float* out = (k == 0 ? scratch.keys.data() : scratch.values.data()) + (a - lo) * d;
+      if (seg.format == KV_F32) {
+        std::memcpy(out, static_cast<const float*>(k == 0 ? seg.k : seg.v) + (head * seg.capacity + row) * d,
+                    (b - a) * d * sizeof(float));
+      } else if (seg.format == KV_F16) {
+        const uint16_t* in = static_cast<const uint16_t*>(k == 0 ? seg.k : seg.v) + (head * seg.capacity + row) * d;
+        for (int64_t i = 0; i < (b - a) * d; ++i) out[i] = half_to_float(in[i]);
+      } else {
+        dequantize_rows(seg, k == 0, head, row, b - a, d, out);
+      }
+    }
   }
+  return {scratch.keys.data(), scratch.values.data(), false};
+}
+
+// max of s[0 .. n) (exact in any order).
+inline float block_max(const float* s, int64_t n) {
+  f32xL best = f32xL{} - INFINITY;
+  int64_t t = 0;
+  for (; t + LANES <= n; t += LANES) {
+    const f32xL x = load<f32xL>(s + t);
+    best = best > x ? best : x;
+  }
+  float m = -INFINITY;
+  for (int i = 0; i < LANES; ++i) m = std::max(m, best[i]);
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  return m;
+}
+
+// G queries q (G, d) over n keys and values (rows of d, float32 or float16): out.m/l/o per query,
+// as the arithmetic at the top of this file says. `scores`: (G, KEY_BLOCK) scratch.
+template <int G, typename T>
+void attend_rows(const float* q, const T* keys, const T* values, int64_t n, int64_t d, const ScoreOptions& options,
+                 Partial out, float* scores) {
+  block_scores<G>(q, keys, n, d, options.scale, scores, KEY_BLOCK);
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * KEY_BLOCK;
     if (options.softcap > 0.0f) softcap_scores(s, n, options.softcap);
-    float m = -INFINITY;
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-    out.m[g] = m;
-    out.l[g] = exp_shifted(s, n, m);
+    out.m[g] = block_max(s, n);
+    out.l[g] = exp_shifted(s, n, out.m[g]);
   }
   std::fill(out.o, out.o + G * d, 0.0f);
-  for (int s = 0; s < cache.n_segments; ++s) {
-    const HLKVSegment& seg = cache.segments[s];
-    const int64_t a = std::max(lo, seg.position), b = std::min(hi, seg.position + seg.tokens);
-    if (a >= b) continue;
-    const Rows values = segment_rows(seg, false, head, seg.row0 + (a - seg.position), b - a, d, scratch.values.data());
-    if (values.half)
-      accumulate_values<G>(static_cast<const uint16_t*>(values.data), b - a, d, scores + (a - lo), KEY_BLOCK, out.o);
-    else
-      accumulate_values<G>(static_cast<const float*>(values.data), b - a, d, scores + (a - lo), KEY_BLOCK, out.o);
-  }
+  accumulate_values<G>(values, n, d, scores, KEY_BLOCK, out.o);
 }
 
-inline void attend_block_group(int group, const float* q, const HLLayerCache& cache, int64_t head, int64_t lo,
-                               int64_t hi, int64_t d, const ScoreOptions& options, Partial out, BlockScratch& scratch) {
-  switch (group) {
-#define HL_GROUP(N) \
+#if defined(__AVX512F__)
+constexpr int BATCH_QUERIES = 6;  // 4 x 6 score accumulators, 4 keys and a query of 32 registers
+#else
+constexpr int BATCH_QUERIES = 2;  // of 16 registers
+#endif
+
+template <typename T>
+void attend_chunk(int count, const float* q, const T* keys, const T* values, int64_t n, int64_t d,
+                  const ScoreOptions& options, Partial out, float* scores) {
+  switch (count) {
+#define HL_COUNT(N) \
   case N:           \
-    return attend_block<N>(q, cache, head, lo, hi, d, options, out, scratch);
-    HL_GROUP(1) HL_GROUP(2) HL_GROUP(3) HL_GROUP(4) HL_GROUP(5) HL_GROUP(6) HL_GROUP(7) HL_GROUP(8)
-    HL_GROUP(10) HL_GROUP(12) HL_GROUP(14) HL_GROUP(16)
-#undef HL_GROUP
+    return attend_rows<N>(q, keys, values, n, d, options, out, scores);
+    HL_COUNT(1) HL_COUNT(2) HL_COUNT(3) HL_COUNT(4) HL_COUNT(5) HL_COUNT(6)
+#undef HL_COUNT
     default:
       break;
   }
 }
 
-inline bool supported_group(int group) { return group >= 1 && group <= MAX_GROUP && (group <= 8 || group % 2 == 0); }
+// `count` queries q (count, d) over the same n keys and values (kv: block_kv's rows), in chunks of
+// as many query vectors as the registers hold (each query's arithmetic is its own: the chunking
+// changes nothing but speed). `scratch.scores` holds (BATCH_QUERIES, KEY_BLOCK).
+inline void attend_queries(int count, const float* q, const BlockKV& kv, int64_t n, int64_t d,
+                           const ScoreOptions& options, Partial out, BlockScratch& scratch) {
+  scratch.reserve(BATCH_QUERIES, d);
+  for (int c0 = 0; c0 < count; c0 += BATCH_QUERIES) {
+    const int c = std::min(BATCH_QUERIES, count - c0);
+    const Partial part{out.m + c0, out.l + c0, out.o + c0 * d};
+    if (kv.half)
+      attend_chunk(c, q + c0 * d, static_cast<const uint16_t*>(kv.keys), static_cast<const uint16_t*>(kv.values), n,
+                   d, options, part, scratch.scores.data());
+    else
+      attend_chunk(c, q + c0 * d, static_cast<const float*>(kv.keys), static_cast<const float*>(kv.values), n, d,
+                   options, part, scratch.scores.data());
+  }
+}
+
+inline bool supported_group(int group) { return group >= 1 && group <= MAX_GROUP; }
 
 // state <- state merged with a block's result (one query; `first`: state holds nothing yet).
 inline void merge_into(float& m, float& l, float* o, float m_b, float l_b, const float* o_b, int64_t d, bool first) {
@@ -389,8 +471,10 @@ inline void attention_team(const Team& team, const float* q, int64_t q_stride, c
       const int64_t slot = parts.row_blocks[r] + head * rb.count() + i;  // (row, head, block)
       const Partial result{parts.max.data() + slot * stride, parts.sum.data() + slot * stride,
                            parts.out.data() + slot * stride * d};
-      attend_block_group(group, q + r * q_stride + head * group * d, cache, head, rb.block_lo(b),
-                         RowBlocks::block_hi(b, cache.start), d, options, result, scratch);
+      const int64_t lo = rb.block_lo(b), hi = RowBlocks::block_hi(b, cache.start);
+      scratch.reserve(group, d);
+      const BlockKV kv = block_kv(cache, head, lo, hi, d, scratch, false);
+      attend_queries(group, q + r * q_stride + head * group * d, kv, hi - lo, d, options, result, scratch);
     }
   }
   team.barrier();
@@ -412,17 +496,32 @@ inline void attention_team(const Team& team, const float* q, int64_t q_stride, c
 }
 
 // ---- prefill chunks ---------------------------------------------------------------------------
+// Per-thread state of a prefill item: each row's merged result (max, sum per query, then the
+// outputs), the block results of the rows that see a block whole, and their gathered queries.
+struct PrefillScratch {
+  std::vector<float> state, block, queries;
+  void reserve(int64_t rows, int group, int64_t d) {
+    const int64_t per_row = group * (d + 2);
+    if (static_cast<int64_t>(state.size()) < rows * per_row) {
+      state.resize(rows * per_row);
+      block.resize(rows * per_row);
+      queries.resize(rows * group * d);
+    }
+  }
+};
+
 // Attention of prefill chunks by the team: segment s is rows offsets[s] .. offsets[s + 1] - 1 of q
 // (stride q_stride), consecutive positions from caches[s].start of the sequence whose layer KV is
 // caches[s] -> out (rows, H, D). Items (segment, QUERY_ROWS positions, KV head) are claimed as the
-// threads come; each row merges its blocks in order as it goes.
+// threads come; an item walks the blocks its rows see in order, each row merging its blocks as it
+// goes (the queries of the rows that see a block whole go through it together).
 inline void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
                                    const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t d,
                                    const ScoreOptions& options, float* out, BlockScratch& scratch) {
   const int group = n_heads / n_kv_heads;
-  thread_local std::vector<float> block;  // one block's result: max, sum (G each), out (G, d)
-  thread_local std::vector<float> state;  // the row's merged result, the same shape
-  if (static_cast<int64_t>(block.size()) < group * (d + 2)) block.resize(group * (d + 2)), state.resize(group * (d + 2));
+  const int64_t per_row = group * (d + 2);
+  thread_local PrefillScratch work;
+  work.reserve(QUERY_ROWS, group, d);
   int64_t items = 0;
   for (int64_t s = 0; s < segments; ++s) items += (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
   for (int64_t item = team.claim(); item < items; item = team.claim()) {
@@ -435,21 +534,62 @@ inline void prefill_attention_team(const Team& team, const float* q, int64_t q_s
     const HLLayerCache& cache = caches[s];
     const int64_t head = local % n_kv_heads, r0 = offsets[s] + local / n_kv_heads * QUERY_ROWS;
     const int64_t r1 = std::min(offsets[s + 1], r0 + QUERY_ROWS);
-    const Partial result{block.data(), block.data() + group, block.data() + 2 * group};
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t position = cache.start + (r - offsets[s]);
-      const RowBlocks rb(cache, position);
-      for (int64_t b = rb.first; b <= rb.last; ++b) {
-        attend_block_group(group, q + r * q_stride + head * group * d, cache, head, rb.block_lo(b),
-                           RowBlocks::block_hi(b, position), d, options, result, scratch);
+    auto position = [&](int64_t r) { return cache.start + (r - offsets[s]); };
+    auto query = [&](int64_t r) { return q + r * q_stride + head * group * d; };
+    // merge the block results of rows [ra, ra + n) (laid out m (n G), l (n G), o (n G, d)) into their states
+    auto merge_rows = [&](int64_t ra, int64_t n, const float* results, int64_t b) {
+      const float* m = results;
+      const float* l = results + n * group;
+      const float* o = results + 2 * n * group;
+      for (int64_t i = 0; i < n; ++i) {
+        float* st = work.state.data() + (ra + i - r0) * per_row;
+        const bool first = b == RowBlocks(cache, position(ra + i)).first;
         for (int g = 0; g < group; ++g)
-          merge_into(state[g], state[group + g], state.data() + 2 * group + g * d, result.m[g], result.l[g],
-                     result.o + g * d, d, b == rb.first);
+          merge_into(st[g], st[group + g], st + 2 * group + g * d, m[i * group + g], l[i * group + g],
+                     o + (i * group + g) * d, d, first);
       }
+    };
+    scratch.reserve(BATCH_QUERIES, d);
+    const int64_t first_block = RowBlocks(cache, position(r0)).first, last_block = position(r1 - 1) / KEY_BLOCK;
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      const int64_t b_lo = b * KEY_BLOCK, b_hi = b_lo + KEY_BLOCK;
+      // the block's keys and values the item's rows see, as float32 rows once for them all
+      const int64_t kv_lo = std::max(b_lo, cache.first_visible(position(r0)));
+      const int64_t kv_hi = std::min(b_hi, position(r1 - 1) + 1);
+      const BlockKV kv = block_kv(cache, head, kv_lo, kv_hi, d, scratch, true);
+      auto rows_from = [&](int64_t lo) {
+        return BlockKV{static_cast<const float*>(kv.keys) + (lo - kv_lo) * d,
+                       static_cast<const float*>(kv.values) + (lo - kv_lo) * d, false};
+      };
+      int64_t whole_first = r1, whole_last = r0;  // the rows that see the block whole: one run
+      for (int64_t r = r0; r < r1; ++r) {
+        const RowBlocks rb(cache, position(r));
+        if (b < rb.first || b > rb.last) continue;  // the block is outside this row's keys
+        const int64_t lo = rb.block_lo(b), hi = RowBlocks::block_hi(b, position(r));
+        if (lo == b_lo && hi == b_hi) {
+          whole_first = std::min(whole_first, r), whole_last = r + 1;
+          continue;
+        }
+        const Partial result{work.block.data(), work.block.data() + group, work.block.data() + 2 * group};
+        attend_queries(group, query(r), rows_from(lo), hi - lo, d, options, result, scratch);
+        merge_rows(r, 1, work.block.data(), b);
+      }
+      if (whole_first < whole_last) {
+        const int64_t n = whole_last - whole_first;
+        for (int64_t i = 0; i < n; ++i)
+          std::memcpy(work.queries.data() + i * group * d, query(whole_first + i), group * d * sizeof(float));
+        const Partial result{work.block.data(), work.block.data() + n * group, work.block.data() + 2 * n * group};
+        attend_queries(static_cast<int>(n * group), work.queries.data(), rows_from(b_lo), KEY_BLOCK, d, options,
+                       result, scratch);
+        merge_rows(whole_first, n, work.block.data(), b);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* st = work.state.data() + (r - r0) * per_row;
       for (int g = 0; g < group; ++g) {
-        const float inverse = 1.0f / state[group + g];
+        const float inverse = 1.0f / st[group + g];
         float* o = out + (r * n_heads + head * group + g) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = state[2 * group + g * d + j] * inverse;
+        for (int64_t j = 0; j < d; ++j) o[j] = st[2 * group + g * d + j] * inverse;
       }
     }
   }

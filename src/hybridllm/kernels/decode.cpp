@@ -31,9 +31,9 @@
 #include "attention.h"
 #include "common.h"
 #include "dots_reference.h"
+#include "kv_store.h"
 #include "layer.h"
 #include "linear.h"
-#include "kv_store.h"
 #include "qtypes.h"
 #include "thread_team.h"
 

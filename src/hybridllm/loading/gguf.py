@@ -164,6 +164,24 @@ class _Cursor:
         except UnicodeDecodeError as exc:
             raise ModelLoadError(f"{self.path}: malformed GGUF string at byte {self.pos}: {exc}") from None
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a vocabulary: one tight loop, no per-string call chain)."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        length_of = struct.Struct("<Q").unpack_from
+        try:
+            for _ in range(count):
+                if pos + 8 > end:
+                    raise ModelLoadError(f"{self.path}: truncated GGUF file (header ends at byte {end})")
+                (length,) = length_of(buf, pos)
+                if pos + 8 + length > end:
+                    raise ModelLoadError(f"{self.path}: truncated GGUF file (header ends at byte {end})")
+                out.append(str(buf[pos + 8:pos + 8 + length], "utf-8"))
+                pos += 8 + length
+        except UnicodeDecodeError as exc:
+            raise ModelLoadError(f"{self.path}: malformed GGUF string at byte {pos}: {exc}") from None
+        self.pos = pos
+        return out
+
     def value(self, type_id: int) -> Any:
         if type_id in _SCALARS:
             return self.scalar(_SCALARS[type_id])
@@ -174,6 +192,8 @@ class _Cursor:
             if elem_type in _NUMPY_SCALARS:
                 dtype = np.dtype(_NUMPY_SCALARS[elem_type]).newbyteorder("<")
                 return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+            if elem_type == _STRING:
+                return self.strings(count)
             return [self.value(elem_type) for _ in range(count)]
         raise ModelLoadError(f"{self.path}: malformed GGUF file (unknown value type {type_id} at byte {self.pos})")
 
