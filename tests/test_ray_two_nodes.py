@@ -33,9 +33,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from conftest import RAY_MISSING, import_extra
 from test_server_hardening import long_tiny  # noqa: F401  (the fixture: a tiny model with an 8K context)
 
 import hybridllm
+
+import_extra("ray", RAY_MISSING)  # the `ray` command beside this Python
 
 pytestmark = pytest.mark.slow  # two Ray nodes and a Serve application
 

@@ -11,15 +11,16 @@ example database here (``database=None``), and every request goes to 127.0.0.1.
 from __future__ import annotations
 
 import httpx
-import json
-from pathlib import Path
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.errors import Unsatisfiable
-from schemathesis.config import SchemathesisConfig
-from schemathesis.generation import GenerationMode
+from conftest import SCHEMATHESIS_MISSING, import_extra
 from test_server import InProcessServer
+
+schemathesis = import_extra("schemathesis", SCHEMATHESIS_MISSING)
+
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402  (schemathesis brings hypothesis)
+from hypothesis.errors import Unsatisfiable  # noqa: E402
+from schemathesis.config import SchemathesisConfig  # noqa: E402
+from schemathesis.generation import GenerationMode  # noqa: E402
 
 from hybridllm import LLM
 from hybridllm.engine.scheduler import Scheduler
@@ -27,7 +28,7 @@ from hybridllm.server.app import create_app
 
 pytestmark = pytest.mark.slow  # a few hundred generated requests
 
-MAX_EXAMPLES = 150  # per operation and mode: about 600 requests in all
+MAX_EXAMPLES = 50  # per operation and mode: about 1,100 requests in all, ~30 s on 2 cores
 SEED = 38
 ERROR_KEYS = {"message", "type", "param", "code"}
 seen_statuses: dict[str, set[int]] = {}
@@ -54,9 +55,7 @@ def check(case, base: str) -> None:
     """One generated request: never 5xx; a 4xx carries an OpenAI error object."""
     response = case.call(base_url=base, timeout=120)
     seen_statuses.setdefault(case.operation.label, set()).add(response.status_code)
-    if response.status_code >= 500:
-        Path('/tmp/fuzzcase.json').write_text(json.dumps(case.body))
-    assert response.status_code < 500, (case.as_curl_command(), response.text[:500])  # FUZZDEBUG
+    assert response.status_code < 500, (case.as_curl_command(), response.text[:500])
     if response.status_code >= 400 and case.method.upper() != "HEAD":
         error = response.json().get("error")
         assert isinstance(error, dict) and set(error) == ERROR_KEYS, (case.as_curl_command(), response.text[:500])
