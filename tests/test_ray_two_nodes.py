@@ -12,7 +12,10 @@ while the cluster keeps running.
 On one host Ray replaces 127.0.0.1 with the machine's interface address, so each node is given
 its own other loopback address (127.0.0.2, 127.0.0.3): every byte stays on the loopback
 interface. Ray 2.60's token authentication is on: every process gets ``RAY_AUTH_MODE=token`` and
-the same ``RAY_AUTH_TOKEN``. Every process is started by this test and ended by its id.
+the same ``RAY_AUTH_TOKEN``. Ray Serve's HTTP proxies share their port (``SO_REUSEPORT``), so on
+one machine the worker's proxy would take some of the clients' connections (and lose them with
+its node); it is given its own port (``RAY_SERVE_WORKER_PROXY_HTTP_PORT``), as a second machine's
+proxy has its own address. Every process is started by this test and ended by its id.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +36,8 @@ import httpx
 import psutil
 import pytest
 from conftest import RAY_MISSING, import_extra
+from test_ray_serve import stop_tree
+from test_server import free_port
 from test_server_hardening import long_tiny  # noqa: F401  (the fixture: a tiny model with an 8K context)
 
 import hybridllm
@@ -47,12 +51,6 @@ BOUND_S = 240
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def node_ports() -> list[str]:
     """Every port a node binds, chosen free (two nodes share the machine, and so may other Ray
     clusters: none of Ray's fixed defaults is used)."""
@@ -61,22 +59,6 @@ def node_ports() -> list[str]:
                  "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"):
         ports += [flag, str(free_port())]
     return ports
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM a process we started (``ray start --block`` stops its node), then kill what is left
-    of its tree."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for child in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -124,17 +106,22 @@ def cluster(tmp_path_factory):
             return sum(line.strip().startswith("1 node_") for line in out.split("Pending:")[0].splitlines())
 
         wait_for(lambda: head.poll() is None and nodes() == 1, "the head node up")
+        # Ray Serve's proxies bind their port with SO_REUSEPORT: on one machine the worker's proxy
+        # would share the head's port (and its connections), so it gets its own
+        worker_env = {**env, "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(free_port())}
         worker = subprocess.Popen(
             [RAY, "start", "--block", "--address", address, "--node-ip-address", WORKER_IP, "--num-cpus", "1",
              "--disable-usage-stats", *node_ports()],
-            env=env, stdout=open(logs / "worker.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            env=worker_env, stdout=open(logs / "worker.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(lambda: worker.poll() is None and nodes() == 2, "the worker node joined")
         yield address, env, head, worker
     finally:
-        if worker is not None:
-            stop(worker)
-        stop(head)
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            if worker is not None:
+                stop_tree(worker)  # SIGTERM: `ray start --block` stops its node
+        finally:
+            stop_tree(head)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def stream(base: str, model: str, prompt: str, out: list[str]) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -639,3 +640,10 @@ def test_soak_aborts_and_never_read_streams_leave_nothing_behind(long_tiny, pref
     if prefix_ram:
         assert end['hybridllm:prefix_cache_bytes{tier="host"}'] <= prefix_ram
         assert delta("hybridllm:prefix_cache_hits_total") > 0
+
+
+def test_the_stall_timeout_flag_is_checked_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "hybridllm.cli", "serve", "--stream-stall-timeout", "0"],
+                          capture_output=True, text=True, timeout=BOUND_S)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--stream-stall-timeout must be > 0" in done.stderr

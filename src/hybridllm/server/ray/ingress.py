@@ -49,7 +49,7 @@ from hybridllm.loading.registry import open_checkpoint
 from hybridllm.server.asgi_bridge import ForwardedRequest, ResponseStart
 from hybridllm.server.metrics import CONTENT_TYPE, PREFIX
 from hybridllm.server.page_assets import PAGE_FILES, page_response
-from hybridllm.server.protocol import error_body
+from hybridllm.server.protocol import RETRY_AFTER_S, error_body
 from hybridllm.server.replica_metrics import REPLICA_LABEL, merge_replica_metrics
 from hybridllm.server.ray.liveness import DOWN, UNREACHABLE, ReplicaLiveness
 from hybridllm.server.routing import DEFAULT_MAX_IMBALANCE, HashRing, PageKey, Route, choose_replica, prefix_key
@@ -61,7 +61,6 @@ REPLICA_ERRORS = (RayActorError, WorkerCrashedError, ReplicaUnavailableError, De
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 PROBE_TIMEOUT_S = 5.0  # a replica that does not describe itself within this is unreachable
 WATCH_INTERVAL_S = 1.0
-RETRY_AFTER_S = 1
 
 
 class ReplicaLost(Exception):
