@@ -8,10 +8,11 @@ counter are read from the engine's read-only view (:class:`~hybridllm.server.eng
 when /metrics is scraped. Monotonic totals are counters
 (their names end in ``_total``), so ``rate()`` works on them.
 
-``kv_cache_usage_perc`` is the reserved KV over what the engine can hold: the admission
-capacity when every tier it counts has a budget, else (a tier unbounded) the budgets that are
-set plus the memory that was free at start in the unbounded tiers
-(:attr:`~hybridllm.server.engine_view.EngineView.kv_holdable_bytes`).
+``kv_cache_usage_perc`` is the reserved KV over what the engine can hold
+(:attr:`~hybridllm.server.engine_view.EngineView.kv_holdable_bytes`): per memory (a GPU's; the
+host RAM, which the host tier and a CPU "device" tier share and which is counted once) the sum
+of its tiers' budgets, but no more than that memory had at start (the whole of it for an
+unbounded tier).
 
 docs/grafana-dashboard.json plots these names; tests check that every query in it resolves.
 """
@@ -214,8 +215,8 @@ class _EngineCollector(Collector):
         g = gauge("kv_cache_reserved_bytes", "KV bytes promised to running requests (prompt + max_tokens).")
         g.add_metric([name], state.kv_reserved_bytes)
         yield g
-        g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of what the engine can hold (the admission "
-                  "capacity, or the free memory at start of an unbounded tier).")
+        g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of what the engine can hold (per memory, "
+                  "counted once: its tiers' budgets, at most what it had at start).")
         g.add_metric([name], state.kv_reserved_bytes / holdable if holdable else 0.0)
         yield g
         g = gauge("kv_cache_holdable_bytes", "The denominator of kv_cache_usage_perc.")
