@@ -278,7 +278,8 @@ def test_a_hung_replica_is_unreachable_its_requests_get_503_and_health_never_wai
     model = served_model(replicas[0])
 
     async def body(client: httpx.AsyncClient, ingress: Ingress, handles: list[FakeHandle]) -> Any:
-        out: dict[str, Any] = {"first": await client.get("/health")}  # the probes start with this call
+        out: dict[str, Any] = {"fresh": dict(ingress.liveness.status)}  # a new ingress trusts no replica yet
+        out["first"] = await client.get("/health")  # the probes start with this call
         for _ in range(200):
             if set(ingress.liveness.status.values()) == {"ok"}:
                 break
@@ -308,6 +309,7 @@ def test_a_hung_replica_is_unreachable_its_requests_get_503_and_health_never_wai
     # a long probe timeout beside the test's client timeout: /health must not wait for a probe
     out = run_with_ingress(replicas, body, probe_timeout_s=0.5)
     home, other = out["home"], out["other"]
+    assert out["fresh"] == {"0": "unknown", "1": "unknown"}
     assert out["first"].status_code in (200, 503)
     assert out["before"].json()["replicas"] == {"0": "ok", "1": "ok"}
     assert out["json"].status_code == 503 and out["json"].headers["retry-after"] == "1"

@@ -480,9 +480,16 @@ def test_a_slow_reader_pauses_resumes_and_gets_the_whole_answer(tiny_server, tin
     ("/v1/chat/completions", False, False), ("/v1/chat/completions", True, False),
     ("/v1/chat/completions", True, True), ("/v1/completions", False, False), ("/v1/completions", True, False)],
     ids=["chat-json", "chat-sse", "chat-sse-tools", "completions-json", "completions-sse"])
-def test_a_departed_client_aborts_its_request_at_once(default_llm, route, stream, tools):
+def test_a_departed_client_aborts_its_request_at_once(default_llm, route, stream, tools, monkeypatch):
     sched = Scheduler(default_llm.runtime, max_batch=4)
     app = create_app(default_llm, sched)
+    abort, aborted_at_step = sched.abort, []
+
+    def abort_counting_steps(request_id: str) -> None:
+        aborted_at_step.append(sched.steps)
+        abort(request_id)
+
+    monkeypatch.setattr(sched, "abort", abort_counting_steps)
     with InProcessServer(app) as srv:
         base = srv.base
         model = model_of(base)
@@ -501,6 +508,7 @@ def test_a_departed_client_aborts_its_request_at_once(default_llm, route, stream
         sock.close()  # the client goes away
         wait_for(lambda: sched.num_running == 0, "the request aborted")
         after = metrics(base)
+    assert len(aborted_at_step) == 1 and sched.steps - aborted_at_step[0] <= 1  # its KV freed within one step
     assert after['hybridllm:request_success_total{finished_reason="abort"}'] == \
         before['hybridllm:request_success_total{finished_reason="abort"}'] + 1
     assert after['hybridllm:kv_cache_bytes{tier="device"}'] == 0 and after["hybridllm:kv_cache_reserved_bytes"] == 0

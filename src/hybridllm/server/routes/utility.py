@@ -23,6 +23,7 @@ from hybridllm.server.protocol import (
     TokenizeResponse,
     VersionInfo,
 )
+from hybridllm.server.unsupported import log_ignored_fields
 
 tokenizer_router = APIRouter(dependencies=[Depends(require_api_key)])
 router = APIRouter()
@@ -31,6 +32,7 @@ router = APIRouter()
 @tokenizer_router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES,
                        summary="Text to token ids (llama.cpp's shape; with_pieces: each id with its text)")
 async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(server_context)) -> Any:
+    log_ignored_fields(body, "POST /tokenize")
     tokenizer = ctx.llm.tokenizer
     ids = await run_in_threadpool(tokenizer.encode, body.content, body.add_special)
     if not body.with_pieces:
@@ -42,6 +44,7 @@ async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(server_co
 @tokenizer_router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
                        summary="Token ids to text (llama.cpp's shape)")
 async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(server_context)) -> Any:
+    log_ignored_fields(body, "POST /detokenize")
     vocab_size = ctx.scheduler.vocab_size
     bad = [i for i in body.tokens if not 0 <= i < vocab_size]
     if bad:
