@@ -60,7 +60,10 @@ class RequestEvents:
         self.on_pause = on_pause
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
-        self._lock = threading.Lock()  # _held and _paused are shared by both threads
+        # _held and _paused are shared by both threads; the loop is paused and resumed under this
+        # lock, so that its calls come in the order of the decisions (the loop never calls a sink
+        # while holding its own lock, so the order of the two locks is always this one, then the loop's)
+        self._lock = threading.Lock()
         self._held = 0  # handed over by the loop thread, not taken yet
         self._paused = False
         self._changed = asyncio.Event()  # set at each event taken and at a pause (wakes the stall watch)
@@ -86,8 +89,8 @@ class RequestEvents:
             if pause:
                 self._paused = True
                 self._last_taken = time.monotonic()  # the stall is counted from here
+                self.scheduler.pause(self.request_id)
         if pause:
-            self.scheduler.pause(self.request_id)
             if self.on_pause is not None:
                 self.on_pause()
             self._loop.call_soon_threadsafe(self._changed.set)
@@ -98,13 +101,11 @@ class RequestEvents:
         event = await self._queue.get()
         with self._lock:
             self._held -= 1
-            resume = self._paused and self._held <= self.capacity // 2
-            if resume:
+            if self._paused and self._held <= self.capacity // 2:
                 self._paused = False
+                self.scheduler.resume(self.request_id)
             self._last_taken = time.monotonic()
         self._changed.set()
-        if resume:
-            self.scheduler.resume(self.request_id)
         return event
 
     async def stalled(self) -> None:
