@@ -460,6 +460,14 @@ def test_kv_table_puts_decode_next_to_dynamic_and_llama_cpps_kv_of_the_same_bits
     assert [c[6] for c in cells] == ["2.00x", "1.50x", "-", "-"]  # vs llama.cpp's f16 / q8_0 KV
 
 
+def test_kv_table_names_a_strategy_attended_through_pytorch():
+    from hybridllm.bench import kv_strategies
+
+    rows = [{**_row(), "kv_attention": "native"}, {**_row(), "kv_cache": "quantized", "kv_options": {"kv_bits": 8},
+                                                  "kv_attention": "PyTorch"}]
+    assert [c[2] for c in kv_strategies.records(rows)] == ["dynamic", "quantized-int8 (PyTorch attention)"]
+
+
 def test_peers_table_ratio_to_llama_cpp_and_section():
     from hybridllm.bench import peers_report
 
@@ -517,3 +525,29 @@ def test_kv_preset_runs_llama_cpps_kv_types_beside_ours():
     grid = presets.build_preset_grid(settings, new_tokens=4, model="m.gguf")
     peers = [(c.engine, c.kv_cache) for c in grid if c.engine == "llama.cpp"]
     assert peers == [("llama.cpp", "f16"), ("llama.cpp", "q8_0"), ("llama.cpp", "q4_0")]
+
+
+def test_models_preset_runs_transformers_at_512_only_and_puts_ratios_in_its_table(tiny_gguf):
+    from pathlib import Path
+
+    from hybridllm.bench import models_preset
+    from hybridllm.bench.sweep import base_row
+    from hybridllm.loading.gguf import GGUFFile
+
+    files = {"tiny": Path(tiny_gguf)}
+    grid = models_preset.models_grid(files, new_tokens=64, threads=2)
+    contexts = {engine: sorted(c.context for c in grid if c.engine == engine)
+                for engine in ("hybridllm", "llama.cpp", "transformers")}
+    long = models_preset.long_context(Path(tiny_gguf), 64)
+    assert long == GGUFFile(tiny_gguf).config.max_position_embeddings - 64  # the window, less the new tokens
+    assert contexts["hybridllm"] == contexts["llama.cpp"] == sorted({512, 2048, long})
+    assert contexts["transformers"] == [512]
+    file_bytes = sum(t.nbytes for t in GGUFFile(tiny_gguf).tensors.values())
+    ours = {"decode_tps": 12.0, "prefill_tps": 300.0, "peak_host_bytes": 150,
+            "weight_bytes": {"device": 0, "host": file_bytes}}
+    peer = {"decode_tps": 8.0, "prefill_tps": 100.0, "peak_host_bytes": 100}
+    rows = [{**base_row(c), "status": "ok", **(ours if c.engine == "hybridllm" else peer)} for c in grid]
+    cells = models_preset.records(rows, files)[0]
+    assert cells[2] == "1.50x (12.0 vs 8.0)" and cells[3] == f"@{long}: 1.50x (12.0 vs 8.0)"
+    assert cells[4] == "3.00x (300.0 vs 100.0)" and cells[5] == "1.50x (12.0 vs 8.0)"
+    assert cells[6] == "1.000" and cells[7] == "1.50x"

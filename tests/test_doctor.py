@@ -185,6 +185,9 @@ def test_cli_doctor_json_schema():
                                              or kernels["error"])
     assert kernels["prefill_precision"] in {"int8 (AMX)", "int8"} or kernels["error"]  # the decode products
     assert kernels["amx_tiles"] == (kernels["prefill_precision"] == "int8 (AMX)")
+    from hybridllm.kvcache.registry import STRATEGIES
+
+    assert set(kernels["kv_strategies"]) == set(STRATEGIES) and all(kernels["kv_strategies"].values())
     for check in report["checks"]:
         assert set(check) == {"name", "status", "value", "recommendation"}
         assert check["status"] in STATUSES and check["recommendation"]
@@ -199,6 +202,7 @@ def test_cli_doctor_table_and_bad_model():
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "vm.swappiness" in proc.stdout and "host memory bandwidth" in proc.stdout
+    assert "KV caches the kernels read" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "hybridllm.cli", "doctor", "--model", "/nonexistent.gguf"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr

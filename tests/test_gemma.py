@@ -158,9 +158,10 @@ def test_native_backend_runs_gemma_and_cuda_graph_refuses(tiny_models):
     assert report.kernel_layers == model.config.n_layers and report.head and report.whole_step
     assert report.skipped == []
     from hybridllm.runtime.backends.cuda_graph import CudaGraphBackend
+    from hybridllm.runtime.placed_model import PlacedModel
 
     with pytest.raises(ConfigError, match="cuda-graph decode backend has no sliding-window.*eager or compiled"):
-        CudaGraphBackend(model)
+        CudaGraphBackend(PlacedModel(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU)))
 
 
 @pytest.mark.parametrize("arch", GEMMAS)

@@ -135,3 +135,23 @@ def test_placement_is_below_the_runtime_and_the_runtime_below_the_engine(modules
     # runs a built runtime, and the runtime never reaches up into the loop.
     assert violations(modules, ("hybridllm.placement",), ("hybridllm.runtime", "hybridllm.engine")) == []
     assert violations(modules, ("hybridllm.runtime",), ("hybridllm.engine",)) == []
+
+
+def test_the_scheduler_is_bookkeeping_without_torch():
+    """The step is plan -> execute -> process: the scheduler plans in plain Python; the executor
+    and the output processor hold the tensors."""
+    tree = ast.parse((PACKAGE_ROOT / "engine" / "scheduler.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(name == "torch" or name.startswith("torch.") for name in imported)
+
+
+def test_every_engine_and_runtime_module_is_in_the_layer_diagram(modules):
+    """docs/architecture.md's layer diagram names every module of engine/ and runtime/ (by file name)."""
+    text = (PACKAGE_ROOT.parents[1] / "docs" / "architecture.md").read_text()
+    start = text.index("## Layers and the build path")
+    diagram = text[text.index("```", start):text.index("```", text.index("```", start) + 3)]
+    files = [path for package in ("engine", "runtime") for path in sorted((PACKAGE_ROOT / package).glob("*.py"))
+             if path.name != "__init__.py"]
+    assert len(files) > 20 and all(module_name(path) in modules for path in files)
+    assert [path.name for path in files if path.name not in diagram] == []

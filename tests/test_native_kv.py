@@ -178,5 +178,5 @@ def test_a_strategy_the_kernels_cannot_read_falls_back_visibly(tiny_models, monk
     with caplog.at_level(logging.WARNING, logger="hybridllm"):
         llm = LLM(str(tiny_models["llama"][1]), threads=2, kv_cache="quantized")
     notes = [r.getMessage() for r in caplog.records if "quantized" in r.getMessage() and "PyTorch" in r.getMessage()]
-    assert len(notes) == 1 and not llm.runtime.native_kv
+    assert len(notes) == 1 and not llm.runtime.native_kv and llm.runtime.kv_attention == "PyTorch"
     assert llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)).token_ids

@@ -24,6 +24,7 @@ from hybridllm.loading.registry import open_checkpoint
 from hybridllm.models.quantized import Int4Linear, quantize_model
 from hybridllm.placement.apply import TierDevices
 from hybridllm.placement.placement import Placement
+from hybridllm.runtime.forward_batch import ForwardBatch, ForwardRow
 from hybridllm.runtime.runner import build_runner
 from hybridllm.runtime.weight_bytes import decode_weight_bytes, weight_bytes_per_tier
 
@@ -156,7 +157,7 @@ def _prefill(runner, cache, ids: torch.Tensor, chunk: int, all_logits: bool = Fa
     return torch.cat(out, dim=1)
 
 
-def _count_calls(monkeypatch, method: str = "prefill") -> dict[str, int]:
+def _count_calls(monkeypatch, method: str = "prefill_chunks") -> dict[str, int]:
     """Count the calls of ``NativeModel.<method>`` (``counts[method]``)."""
     counts = {method: 0}
     original = getattr(native.NativeModel, method)
@@ -179,7 +180,7 @@ def test_native_prefill_equals_the_pytorch_layers_on_float_weights(tiny_models, 
     expected = _prefill(reference, _cache(reference, kv_dtype), ids, chunk=40, all_logits=True)
     cache = _cache(model, kv_dtype)
     logits = _prefill(model, cache, ids, chunk=40, all_logits=True)
-    assert counts["prefill"] == 3  # every chunk (40, 40, 10 positions) in one native call
+    assert counts["prefill_chunks"] == 3  # every chunk (40, 40, 10 positions) in one native call
     tolerance = 1e-4 if kv_dtype == torch.float32 else 2e-3  # float16 KV: the PyTorch path rounds too
     torch.testing.assert_close(logits, expected, atol=tolerance, rtol=tolerance)
     # the cache holds what the PyTorch layers would have written: decoding on from it agrees
@@ -207,8 +208,8 @@ def amx_tiles(request):
 
 @pytest.mark.parametrize("weights", ["float", "int4"])
 def test_chunks_of_several_sequences_in_one_call_equal_each_alone(tiny_models, weights, amx_tiles, monkeypatch):
-    """``prefill_chunks``: several sequences' chunks (some continuing a cache already holding
-    tokens) in one native call give each chunk's logits and KV bitwise as its own forward does."""
+    """``step`` of several sequences' chunks (some continuing a cache already holding tokens) in
+    one native call give each chunk's logits and KV bitwise as its own forward does."""
     runner = _runner(_load(tiny_models, "llama", weights), "native")
     gen = _gen(21)
     vocab = runner.config.vocab_size
@@ -225,12 +226,13 @@ def test_chunks_of_several_sequences_in_one_call_equal_each_alone(tiny_models, w
             cache_set.append(cache)
     with torch.inference_mode():
         expected = [runner(chunk, cache, cache.seq_length)[0, -1] for chunk, cache in zip(chunks, alone)]
-        counts, calls = _count_calls(monkeypatch), _count_calls(monkeypatch, "prefill_chunks")
-        got = runner.prefill_chunks([(chunk[0].tolist(), cache) for chunk, cache in zip(chunks, together)])
-    assert calls["prefill_chunks"] == 1 and counts["prefill"] == 0  # one call for all four sequences
+        calls, decodes = _count_calls(monkeypatch), _count_calls(monkeypatch, "decode")
+        got = runner.step(ForwardBatch([ForwardRow(cache, chunk[0].tolist(), cache.seq_length)
+                                        for chunk, cache in zip(chunks, together)]))
+    assert calls["prefill_chunks"] == 1 and decodes["decode"] == 0  # one call for all four sequences
     for i, (logits, reference) in enumerate(zip(got, expected)):
-        assert logits.shape == (1, 1, vocab)
-        assert torch.equal(logits[0, -1], reference), f"sequence {i}"  # each row's arithmetic is its own
+        assert logits.shape == (1, vocab)
+        assert torch.equal(logits[-1], reference), f"sequence {i}"  # each row's arithmetic is its own
     for a, b in zip(alone, together):  # the same KV written, at the same positions
         assert a.seq_length == b.seq_length
         for layer in range(runner.config.n_layers):
@@ -248,15 +250,24 @@ class _NotInPlace(DynamicCache):
         return False
 
 
-def test_chunks_of_caches_without_in_place_rows_or_of_one_token_are_refused(tiny_models):
+def test_rows_the_whole_model_kernels_do_not_take_walk_the_layers_in_the_same_step(tiny_models, monkeypatch):
+    """A step whose rows mix in-place caches, a cache the kernels cannot read in place and a
+    one-token row: the chunks go to one native call, the one-token row to the decode kernel, the
+    other cache's row through the PyTorch layers; each row's logits are those of its forward alone."""
     runner = _runner(_load(tiny_models, "llama"), "native")
     c = runner.config
     spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=c.max_position_embeddings)
-    other, plain = _NotInPlace(spec), _cache(runner)
+    rows = [[1, 2, 3], [4, 5], [6]]
+    make = [lambda: _cache(runner), lambda: _NotInPlace(spec), lambda: _cache(runner)]
     with torch.inference_mode():
-        assert runner.prefill_chunks([([1, 2, 3], plain), ([4, 5], other)]) is None
-        assert runner.prefill_chunks([([1, 2, 3], plain), ([4], _cache(runner))]) is None  # a decode step
-    assert other.seq_length == 0 and plain.seq_length == 0  # nothing ran
+        alone = [runner.step(ForwardBatch([ForwardRow(new(), ids, 0)]))[0] for new, ids in zip(make, rows)]
+        chunks, decodes = _count_calls(monkeypatch), _count_calls(monkeypatch, "decode")
+        caches = [new() for new in make]
+        together = runner.step(ForwardBatch([ForwardRow(cache, ids, 0) for cache, ids in zip(caches, rows)]))
+    assert chunks["prefill_chunks"] == 1 and decodes["decode"] == 1
+    for a, b in zip(alone, together):
+        assert torch.equal(a, b)
+    assert [cache.seq_length for cache in caches] == [3, 2, 1]
 
 
 def test_last_logits_only_unless_asked(tiny_models):
@@ -277,11 +288,11 @@ def test_every_strategy_prefills_natively(tiny_models, kv_cache, monkeypatch):
     cache = create_cache(KVConfig(kv_cache=kv_cache), spec)
     ids = torch.randint(0, c.vocab_size, (1, 20), generator=_gen(13))
     logits = _prefill(runner, cache, ids, chunk=20)
-    assert counts["prefill"] == 1 and torch.isfinite(logits).all()
+    assert counts["prefill_chunks"] == 1 and torch.isfinite(logits).all()
 
     uncounted = _NotInPlace(spec)  # a cache the kernels cannot read prefills through PyTorch
     _prefill(runner, uncounted, ids, chunk=20)
-    assert counts["prefill"] == 1 and uncounted.seq_length == 20
+    assert counts["prefill_chunks"] == 1 and uncounted.seq_length == 20
 
 
 # ---- one copy of the int4 weights ---------------------------------------------------------------

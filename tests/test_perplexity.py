@@ -84,7 +84,7 @@ def test_cli_json_has_exactly_the_promised_keys(tiny_q4, tiny_text):
 
 
 def test_without_flags_it_measures_the_served_weights_against_the_float_reference(tiny_q4, tiny_text):
-    """No --weights or --device: what generate would serve (auto: the file's Q4_1 kept as int4, on
+    """No --weights or --device: what generate would serve (auto: the file's Q4_1 kept as it is, on
     --device auto) against the float32 reference, named in the header; the delta is not float vs float."""
     from hybridllm.config import resolve_device
 
@@ -92,14 +92,14 @@ def test_without_flags_it_measures_the_served_weights_against_the_float_referenc
     assert plain.exit_code == 0, plain.output
     lines = plain.output.splitlines()
     assert lines[0].startswith(f"model      tiny-q4_1 on {resolve_device('auto')}, text ")
-    assert lines[1] == "measured   weights auto -> int4, float32 compute, dynamic KV  (as generate and serve run it)"
+    assert lines[1] == "measured   weights auto -> q4_1, float32 compute, dynamic KV  (as generate and serve run it)"
     assert lines[2].startswith("reference  weights float -> float32, float32 compute, dynamic KV  (the same file")
     delta = next(line for line in lines if line.startswith("delta"))
     assert delta != "delta                +0.000 %" and delta != "delta                -0.000 %", delta
     data = json.loads(runner.invoke(app, ["eval", "perplexity", "--model", str(tiny_q4), "--text", str(tiny_text),
                                           "--json"]).output.strip().splitlines()[-1])
     assert data["device"] == resolve_device("auto") and data["measured"]["weights"] == "auto"
-    assert data["measured"]["weights_format"] == "int4" and data["kl_divergence"] > 0
+    assert data["measured"]["weights_format"] == "q4_1" and data["kl_divergence"] > 0
     assert data["delta_percent"] != 0 and data["perplexity"] != data["reference_perplexity"]
 
 
@@ -117,7 +117,7 @@ def test_default_model_without_weight_flags_reports_its_q4_1_weights_delta():
     assert result.exit_code == 0, result.output
     data = json.loads(result.output.strip().splitlines()[-1])
     assert data["model"] == "SmolLM2-135M-Instruct.Q4_1"
-    assert data["measured"] == {"weights": "auto", "weights_format": "int4", "dtype": "float32", "kv_cache": "dynamic"}
+    assert data["measured"] == {"weights": "auto", "weights_format": "q4_1", "dtype": "float32", "kv_cache": "dynamic"}
     assert data["reference"]["weights_format"] == "float32"
     assert data["delta_percent"] != 0 and data["kl_divergence"] > 0
 

@@ -52,7 +52,8 @@ def test_min_p_drops_relatively_unlikely_tokens():
 
 def test_repetition_penalty_pushes_seen_tokens_down():
     logits = torch.tensor([2.0, -2.0, 1.0])
-    out = apply_repetition_penalty(logits, torch.tensor([0, 1, 1]), 2.0)
+    seen = torch.bincount(torch.tensor([0, 1, 1]), minlength=3)  # the counts of the ids seen
+    out = apply_repetition_penalty(logits, seen, 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0]
 
 
@@ -64,18 +65,24 @@ def test_seeded_sampler_is_deterministic():
 
 def test_presence_and_frequency_penalties_follow_openai():
     logits = torch.tensor([1.0, 0.9, 0.0, -1.0])
-    generated = torch.tensor([0, 0, 0, 2])  # token 0 three times, token 2 once
-    out = apply_presence_frequency_penalty(logits, generated, presence=0.5, frequency=0.25)
+    generated = [0, 0, 0, 2]  # token 0 three times, token 2 once
+    out = apply_presence_frequency_penalty(logits, torch.bincount(torch.tensor(generated), minlength=4),
+                                           presence=0.5, frequency=0.25)
     # logit - frequency * count - presence * (count > 0)
     assert torch.allclose(out, torch.tensor([1.0 - 0.75 - 0.5, 0.9, 0.0 - 0.25 - 0.5, -1.0]))
+
+    def sampler(params: SamplingParams, seen: list[int]) -> Sampler:
+        chosen = Sampler(params)
+        chosen.record(seen)  # what the sequence generated so far
+        return chosen
+
     greedy = SamplingParams(temperature=0)
-    assert Sampler(greedy)(logits, generated=generated) == 0  # no penalty: the argmax
-    assert Sampler(SamplingParams(temperature=0, frequency_penalty=0.1))(logits, generated=generated) == 1
-    assert Sampler(SamplingParams(temperature=0, presence_penalty=0.2))(logits, generated=generated) == 1
-    assert Sampler(SamplingParams(temperature=0, presence_penalty=0.05))(logits, generated=generated) == 0
+    assert sampler(greedy, generated)(logits) == 0  # no penalty: the argmax
+    assert sampler(SamplingParams(temperature=0, frequency_penalty=0.1), generated)(logits) == 1
+    assert sampler(SamplingParams(temperature=0, presence_penalty=0.2), generated)(logits) == 1
+    assert sampler(SamplingParams(temperature=0, presence_penalty=0.05), generated)(logits) == 0
     # a negative penalty favours what was generated
-    assert Sampler(SamplingParams(temperature=0, presence_penalty=-2))(torch.tensor([0.0, 1.0, 0.5]),
-                                                                       generated=torch.tensor([2])) == 2
+    assert sampler(SamplingParams(temperature=0, presence_penalty=-2), [2])(torch.tensor([0.0, 1.0, 0.5])) == 2
 
 
 def test_logit_bias_adds_to_the_logits():

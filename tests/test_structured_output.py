@@ -137,6 +137,28 @@ def test_a_token_the_grammar_refuses_and_a_bad_schema(compiler):
             compiler.matcher(StructuredOutput(schema))
 
 
+def test_rollback_takes_back_tokens_and_a_copy_is_independent(compiler):
+    """``rollback(n)`` returns the matcher to where it was n tokens ago (a rejected draft); a copy
+    (each of a request's n sequences) follows its own tokens."""
+    matcher = compiler.matcher(StructuredOutput({"type": "array", "items": {"type": "integer"}}))
+    start = matcher.allowed()
+    copy = matcher.copy()
+    tokens = compiler.tokenizer.encode("[12", add_special_tokens=False)
+    for token in tokens:
+        matcher.advance(token)
+    after = matcher.allowed()
+    assert not torch.equal(after, start)
+    matcher.rollback(len(tokens) - 1)  # back to just after the first token
+    matcher.rollback(1)
+    assert torch.equal(matcher.allowed(), start)
+    for token in tokens:  # the same tokens again: the same state
+        matcher.advance(token)
+    assert torch.equal(matcher.allowed(), after)
+    assert torch.equal(copy.allowed(), start)  # the copy never moved
+    with pytest.raises(GrammarError, match="roll back"):
+        copy.rollback(1)  # nothing to take back
+
+
 def test_a_sentencepiece_gguf_vocabulary():
     """The grammar reads our GGUF-built tokenizers too: ``▁`` spaces and ``<0xNN>`` byte tokens."""
     from test_tokenizer import _spm_metadata
@@ -178,6 +200,17 @@ def test_batched_rows_follow_their_own_grammars(tiny_llm):
     assert last["free"].finish_reason is not None and last["free"].completion_tokens > 0
     alone = tiny_llm.generate("The quick brown fox", requests["free"])  # the unconstrained row is unchanged
     assert alone.text == last["free"].full_text
+
+
+def test_every_choice_of_a_request_follows_the_grammar(tiny_llm):
+    """``n`` sequences fork from one prefilled prompt: each keeps its own copy of the grammar."""
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=5, n=3, structured=StructuredOutput(PERSON))
+    results = tiny_llm.generate_all("The quick brown fox", params)
+    assert len(results) == 3
+    for result in results:
+        assert result.finish_reason == "stop"
+        check_person(json.loads(result.text))
+    assert len({result.text for result in results}) > 1  # their own seeds
 
 
 def test_invalid_schema_fails_at_submit(tiny_llm):

@@ -222,12 +222,16 @@ def native_kernels() -> dict[str, Any]:
     from hybridllm.kernels.abi import amx_tiles, kernel_isa, prefill_precision
     from hybridllm.kernels.build import MARCH_ENV, KernelBuildError
 
+    from hybridllm.kvcache.registry import STRATEGIES
+
     march = os.environ.get(MARCH_ENV) or "native"
+    kv = {name: strategy.native for name, strategy in STRATEGIES.items()}  # "" where the kernels cannot read it
     try:
         return {"isa": kernel_isa(), "amx_tiles": amx_tiles(), "prefill_precision": prefill_precision(),
-                "march": march, "error": None}
+                "march": march, "kv_strategies": kv, "error": None}
     except KernelBuildError as exc:
-        return {"isa": None, "amx_tiles": False, "prefill_precision": None, "march": march, "error": str(exc)}
+        return {"isa": None, "amx_tiles": False, "prefill_precision": None, "march": march, "kv_strategies": kv,
+                "error": str(exc)}
 
 
 def _model_file(model: Path | None) -> tuple[Path | None, dict[str, Any] | None, Any]:
@@ -294,6 +298,11 @@ def print_report(report: dict[str, Any]) -> None:
         meas.add_row("native kernels", f"{k['isa']} (-march={k['march']}){tiles}, prefill products in "
                      f"{k['prefill_precision']}" if k["isa"]
                      else f"unavailable, decode and prefill run through PyTorch: {k['error']}")
+    if k and k["isa"]:
+        read = [name for name, native in k["kv_strategies"].items() if native]
+        unread = [name for name, native in k["kv_strategies"].items() if not native]
+        meas.add_row("KV caches the kernels read", ", ".join(read) + (
+            f"; attended through PyTorch (slower): {', '.join(unread)}" if unread else ""))
     meas.add_row("host matmul", f"{p['host_flops'] / 1e9:.1f} GFLOP/s")
     meas.add_row("decode overhead (CPU)", f"{p['host_layer_overhead_s'] * 1e6:.0f} us per layer, "
                  f"{p['host_token_overhead_s'] * 1e6:.0f} us per token")

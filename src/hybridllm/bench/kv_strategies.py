@@ -122,6 +122,14 @@ def row_variant(row: dict[str, Any]) -> str:
     return variant_name(row["kv_cache"], row.get("kv_options") or {})
 
 
+def row_label(row: dict[str, Any]) -> str:
+    """The table's KV cell: the variant, and how it was attended where not by the kernels in place
+    (a strategy they cannot read falls back visibly)."""
+    attention = row.get("kv_attention")
+    name = row_variant(row)
+    return name if row["engine"] != "hybridllm" or attention in (None, "native") else f"{name} ({attention} attention)"
+
+
 def _ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x" if value and reference else "-"
 
@@ -141,7 +149,7 @@ def records(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
         ours = ok and row["engine"] == "hybridllm"
         peer = peers.get((row["context"], LLAMA_CPP_PEER.get(name)))
         out.append([
-            report.fmt_context(row["context"]), row["model"], name,
+            report.fmt_context(row["context"]), row["model"], row_label(row),
             report.fmt_rate(row.get("prefill_tps")), report.fmt_rate(row.get("decode_tps")),
             _ratio(row.get("decode_tps"), dynamic.get(row["context"])) if ours else "-",
             _ratio(row.get("decode_tps"), peer) if ours else "-",

@@ -24,6 +24,7 @@ from hybridllm.bench.model_files import real_shaped_file
 from hybridllm.bench.sweep import BenchConfig, build_grid
 from hybridllm.errors import ConfigError
 from hybridllm.loading.gguf import GGUFFile
+from hybridllm.loading.local_models import model_name
 from hybridllm.units import format_bytes
 
 # The published shapes of the preset: configs/<name>.json (Phi-3 and Mistral scaled to <= 1.5B).
@@ -54,11 +55,17 @@ def long_context(path: Path, new_tokens: int) -> int:
 
 def models_grid(files: dict[str, Path], baselines: Sequence[str] = ("llama.cpp", "transformers"),
                 new_tokens: int = 64, **common: Any) -> list[BenchConfig]:
-    """Every file's configurations: ours and the peers at 512, 2K and the long context."""
+    """Every file's configurations: ours and llama.cpp at 512, 2K and the long context;
+    transformers at 512 only (the table's one transformers column: its float32 prefill of a long
+    prompt on a few cores takes minutes and tells nothing more)."""
     grid = []
     for path in files.values():
         contexts = sorted({DECODE_SHORT, PREFILL, long_context(path, new_tokens)})
-        grid += build_grid(contexts, baselines=baselines, model=str(path), new_tokens=new_tokens, **common)
+        grid += build_grid(contexts, baselines=[b for b in baselines if b != "transformers"], model=str(path),
+                           new_tokens=new_tokens, **common)
+        if "transformers" in baselines:
+            grid += build_grid([DECODE_SHORT], baselines=["transformers"], include_ours=False, model=str(path),
+                               new_tokens=new_tokens, **common)
     return grid
 
 
@@ -73,8 +80,10 @@ def records(rows: Sequence[dict[str, Any]], files: dict[str, Path]) -> list[list
     by = {(r["model"], r["engine"], r["context"]): r for r in rows if r["status"] == "ok"}
     cells = []
     for name, path in files.items():
-        model = path.name
-        long = max(r["context"] for r in rows if r["model"] == model) if any(r["model"] == model for r in rows) else 0
+        model = model_name(path)  # how the sweep's rows name it
+        contexts = {r["context"] for r in rows if r["model"] == model}
+        others = contexts - {DECODE_SHORT, PREFILL}  # the long context: 8K, or the window's (maybe shorter)
+        long = max(others or contexts or {0})
         get = lambda engine, context: by.get((model, engine, context))  # noqa: E731
         gguf = GGUFFile(path)
         tensor_bytes = sum(t.nbytes for t in gguf.tensors.values())

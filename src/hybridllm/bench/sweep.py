@@ -170,6 +170,7 @@ def base_row(config: BenchConfig) -> dict[str, Any]:
         "bus_bytes": None,
         "bus_bytes_detail": None,  # {"h2d": ..., "d2h": ...} where the engine reports it
         "kv_pages_moved": None,
+        "kv_attention": None,  # ours: "native", "PyTorch" (the kernels cannot read the strategy), ...
         "status": "error",
         "error": None,
         "threads": config.threads,

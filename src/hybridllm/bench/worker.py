@@ -90,6 +90,7 @@ class HybridRunner:
         figures["weights_format"] = metrics.get("weights_format")
         figures["weight_bytes"] = metrics.get("weight_bytes")
         figures["decode_weight_bytes"] = metrics.get("decode_weight_bytes")
+        figures["kv_attention"] = self.llm.runtime.kv_attention
         return figures
 
 
@@ -151,7 +152,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
             "weight_bytes": runs[0].get("weight_bytes") or {"device": None, "host": None},
             "decode_weight_bytes": runs[0].get("decode_weight_bytes"),
             "kv_pages_moved": runs[0].get("kv_pages_moved"), "bus_bytes_detail": runs[0].get("bus_bytes_detail"),
-            "runs": runs}
+            "kv_attention": runs[0].get("kv_attention"), "runs": runs}
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:

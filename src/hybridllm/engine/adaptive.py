@@ -1,7 +1,7 @@
 """Re-planning while a sequence runs: relieve a full device tier instead of failing.
 
-A per-sequence policy of the request loop (:mod:`hybridllm.engine.scheduler`), so ``generate``
-and ``serve`` re-plan alike. After every forward of a sequence the loop asks
+A per-sequence policy of the request loop (called through :mod:`hybridllm.engine.policies`), so
+``generate`` and ``serve`` re-plan alike. After every forward of a sequence the loop asks
 :class:`AdaptivePolicy` whether the device
 ledger has crossed its eviction threshold (``--kv-threshold`` of the device budget). If so it
 takes the cheapest action that frees device memory, logs it, and records it in the request's

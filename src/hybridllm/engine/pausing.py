@@ -64,8 +64,3 @@ class PausedRequests:
     def count(self, running: Sequence[_Sequence]) -> int:
         """Running sequences that are paused."""
         return sum(seq.request_id in self._paused for seq in running)
-
-    @property
-    def has_resumes(self) -> bool:
-        """Whether a paused request asked to rejoin the batch."""
-        return bool(self._resuming)

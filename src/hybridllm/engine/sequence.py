@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from hybridllm.config import SamplingParams
 from hybridllm.engine.logprobs import TokenLogprob
@@ -70,7 +69,9 @@ class SequenceState:
 
     A sequence starts on the runtime's placed runner with a cache of the KV policy; phase
     migration or the adaptive policy may move it to the host runner with a host cache
-    (:meth:`adopt`), so ``caches`` lists every cache it used, the first one first.
+    (:meth:`adopt`), so ``caches`` lists every cache it used, the first one first. Its phase is
+    data: ``prefilled`` prompt tokens are in the cache, and ``pending`` holds the generated tokens
+    the model has not seen yet (what its next step feeds; one token for plain decoding).
     """
 
     request_id: str
@@ -87,14 +88,13 @@ class SequenceState:
     actions: list[str] = field(default_factory=list)  # what the adaptive policy did
     reported_actions: int = 0  # how many of ``actions`` the observer has heard of
     hop_bytes: int = 0  # hidden-state bytes that crossed tiers for this sequence
-    sampler: Sampler | None = None
+    sampler: Sampler | None = None  # parameters, generator, penalty counts
     grammar: GrammarMatcher | None = None  # masks the logits when the output is structured
     output: RequestOutput | None = None  # text, stop rules, token budget
-    history: torch.Tensor | None = None
     prefilled: int = 0  # prompt tokens already in the cache
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
     prefix_looked_up: bool = False  # the prefix cache was asked (right before the first prefill chunk)
-    pending: int | None = None  # sampled token not yet fed to the model
+    pending: list[int] = field(default_factory=list)  # generated tokens not yet fed to the model
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs is set
     logprobs: list[TokenLogprob] = field(default_factory=list)  # generated tokens' (when params.logprobs is set)
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # not carried by an event yet
@@ -121,10 +121,29 @@ class SequenceState:
 
     @property
     def in_prefill(self) -> bool:
-        return self.pending is None and self.prefilled < len(self.prompt_ids)
+        return not self.pending and self.prefilled < len(self.prompt_ids)
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens its cache holds (prompt, then generated), in order."""
+        return (self.prompt_ids + self.generated)[:self.cache.seq_length]
 
     def adopt(self, cache: KVCache, runner: Any) -> None:
         """Continue on ``cache`` and ``runner`` (after a migration)."""
         self.cache, self.runner = cache, runner
         if not self.caches or self.caches[-1] is not cache:
             self.caches.append(cache)
+
+    def fork(self, index: int) -> SequenceState:
+        """Sequence ``index`` of the same request, at this one's point (a prefilled prompt): same
+        prompt, budget, reservation, times and prompt log-probabilities; seed + index when a seed
+        is given. Its cache, sampler, output and grammar are the caller's to give."""
+        params = self.params
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + index)
+        fork = SequenceState(self.request_id, self.prompt_ids, params, self.max_new_tokens, self.kv_bytes, self.sink,
+                             index=index, arrival_time=self.arrival_time)
+        fork.prompt_logprobs = self.prompt_logprobs
+        fork.prefilled = self.prefilled
+        fork.scheduled_time, fork.start_time = self.scheduled_time, self.start_time
+        return fork

@@ -4,8 +4,9 @@ A :class:`~hybridllm.config.StructuredOutput` (a JSON schema) is compiled by llg
 matcher that follows what the sequence has generated so far and knows which tokens may come
 next. Before each sampling step the request loop sets every other token's logit to -inf, so
 greedy and sampled decoding alike can only produce text the grammar accepts; when the grammar
-is complete, the sequence stops. Each sequence has its own matcher, so the rows of a decode
-batch follow their own grammars.
+is complete, the sequence stops. Each sequence has its own matcher (the ``n`` sequences of a
+request each a copy), so the rows of a decode batch follow their own grammars; a matcher rolls
+back tokens it was fed (:meth:`GrammarMatcher.rollback`: a rejected draft).
 
 The llguidance tokenizer is built once per model from our own tokenizer's ``tokenizer.json``
 description (GGUF vocabularies included), on the first constrained request. JSON is generated
@@ -92,6 +93,19 @@ class GrammarMatcher:
             logger.debug("structured output at token %d: %s", token, self._matcher.get_error())
             raise GrammarError(DEAD_END)
         return self._matcher.is_stopped()
+
+    def rollback(self, n: int) -> None:
+        """Take back the last ``n`` tokens fed with :meth:`advance` (the rejected part of a draft).
+
+        Raises:
+            GrammarError: If the matcher cannot go back that far.
+        """
+        if n and not self._matcher.rollback(n):
+            raise GrammarError(f"structured output cannot roll back {n} tokens: {self._matcher.get_error()}")
+
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher in this one's state (each of a request's ``n`` sequences gets one)."""
+        return GrammarMatcher(self._matcher.deep_copy(), self.vocab_size)
 
     @property
     def is_complete(self) -> bool:

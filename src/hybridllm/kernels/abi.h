@@ -8,7 +8,7 @@
 
 namespace hl {
 
-constexpr int32_t ABI_VERSION = 9;
+constexpr int32_t ABI_VERSION = 10;
 
 // How a KV segment stores its tokens (attention.h reads every one in place).
 enum KVFormat : int32_t {

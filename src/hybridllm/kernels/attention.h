@@ -40,7 +40,7 @@ struct ScoreOptions {
 constexpr int64_t KEY_BLOCK = 64;       // keys per block, aligned to absolute positions
 constexpr int64_t BLOCKS_PER_ITEM = 4;  // a decode item's blocks
 constexpr int64_t QUERY_ROWS = 32;      // a prefill item's positions
-constexpr int MAX_GROUP = 16;           // query heads per KV head the kernels take (MAX_HEAD_DIM: layer.h)
+constexpr int MAX_GROUP = 16;           // query heads per KV head the kernels take
 
 inline f32xW fma_wide(f32xW a, f32xW b, f32xW c) {
 #if defined(__AVX512F__)
@@ -434,12 +434,14 @@ struct AttentionParts {
 };
 
 // Attention of decode rows: row r's queries q (H, D) at q + r * q_stride, at position
-// caches[r].start, over its own KV -> out (rows, H, D), by the team (`parts` sized by thread 0
-// between barriers). Items (row, KV head, up to BLOCKS_PER_ITEM blocks) are claimed as the
-// threads come; then each (row, query head) merges its blocks in order.
+// caches[r].start, over its own KV -> out (rows, H, D), and where lse is not null the log-sum-exp
+// of each (row, head)'s scores -> lse (rows, H) (a partial attention another part merges with), by
+// the team (`parts` sized by thread 0 between barriers). Items (row, KV head, up to
+// BLOCKS_PER_ITEM blocks) are claimed as the threads come; then each (row, query head) merges its
+// blocks in order.
 inline void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
                            int64_t rows, int n_heads, int n_kv_heads, int64_t d, const ScoreOptions& options,
-                           float* out, AttentionParts& parts, BlockScratch& scratch) {
+                           float* out, AttentionParts& parts, BlockScratch& scratch, float* lse = nullptr) {
   const int group = n_heads / n_kv_heads;
   if (team.thread == 0) {
     int64_t blocks = 0, items = 0;
@@ -491,6 +493,7 @@ inline void attention_team(const Team& team, const float* q, int64_t q_stride, c
     }
     const float inverse = 1.0f / l;
     for (int64_t j = 0; j < d; ++j) o[j] *= inverse;
+    if (lse != nullptr) lse[i] = m + std::log(l);
   }
   team.barrier();
 }

@@ -38,7 +38,7 @@ def sources() -> list[Path]:
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 MARCH_ENV = "HYBRIDLLM_KERNEL_MARCH"  # the -march the kernels are built for (default: native)
-ABI_VERSION = 9  # must equal ABI_VERSION in abi.h
+ABI_VERSION = 10  # must equal ABI_VERSION in abi.h
 
 
 class KernelBuildError(HybridLLMError, RuntimeError):

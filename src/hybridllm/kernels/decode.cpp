@@ -216,6 +216,31 @@ void hl_prefill_attention(const float* q, const void* k_cache, const void* v_cac
   });
 }
 
+// Partial attention of `rows` query rows q (rows, H, D) over every key of one KV segment (a tiered
+// cache's cold pages in host RAM, read in place in their format, positions relabelled 0 ..
+// tokens - 1: every query sees them all) with scores scale * q . k, soft-capped where softcap > 0
+// -> out (rows, H, D) normalized, lse (rows, H) the log-sum-exp of each row's scores (the caller
+// merges it with the device's part). segment->tokens must be > 0.
+void hl_partial_attention(const float* q, int64_t rows, const HLKVSegment* segment, int32_t n_heads,
+                          int32_t n_kv_heads, int32_t head_dim, float scale, float softcap, float* out, float* lse,
+                          int32_t n_threads) {
+  HLLayerCache cache{};
+  cache.segments[0] = *segment;
+  cache.segments[0].position = 0;
+  cache.n_segments = 1;
+  cache.start = segment->tokens - 1;  // a query after every key
+  cache.write_row = 0;
+  cache.window = 0;
+  const std::vector<HLLayerCache> caches(rows, cache);
+  const ScoreOptions options{scale, softcap};
+  Workspace& ws = shared_workspace();
+  run_team(n_threads, [&](const Team& team) {
+    thread_local BlockScratch scratch;
+    attention_team(team, q, int64_t{n_heads} * head_dim, caches.data(), rows, n_heads, n_kv_heads, head_dim, options,
+                   out, ws.parts, scratch, lse);
+  });
+}
+
 // ---- layers and whole steps -------------------------------------------------------------------
 // One decoder layer for one token of each of `rows` sequences (layer.h); caches: (rows,), the
 // layer's cache of each row; cos/sin (rows, n_rope_tables * rotary_dim).

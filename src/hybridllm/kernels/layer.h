@@ -132,8 +132,8 @@ inline Workspace& shared_workspace() {
 // rotary_dim) tables of each row's position. Row r's k and v are written at its position in its
 // cache (Hkv, capacity, D): decode rows have one cache each (caches[r], at caches[r].start); with
 // ws.prefill the rows are segments (caches holds one entry per segment, the layer's cache of its
-// sequence with start = the segment's first position), and the attention is the chunks' causal,
-// query-tiled kernel (prefill_attention.h). Each weight matrix is read once for all rows; each
+// sequence with start = the segment's first position), and the attention is the chunks' causal
+// kernel (attention.h: the same per-row arithmetic as decode rows). Each weight matrix is read once for all rows; each
 // row's products are the same bits whatever the other rows and the team size.
 inline void decoder_layer_team(const Team& team, const HLDecoderLayer& w, const float* x_in, float* x_out,
                                const HLLayerCache* caches, int64_t rows, const float* cos, const float* sin,

@@ -20,26 +20,24 @@ Batches: each row of a decode batch (the scheduler's
 read each weight matrix once for all rows (decode is bound by reading the weights), while each
 row's arithmetic, summation order included, is the same as alone, at any position in any batch
 and on any number of threads (batch-invariant: temperature 0 gives the same text alone or under
-load).
+load). Prefill chunks (:meth:`NativeModel.prefill_chunks`) run the
+same layer code and the same products, so a prompt's rows get the bits a decode step would give
+them however the prompt is chunked or cached.
 
 The native decode backend (``hybridllm.runtime.backends.native``) takes a step only when it
-applies, otherwise the layer runs its PyTorch code:
-one token per row, float32 activations, and for every row a cache whose layer can be written in
-place (:meth:`hybridllm.kvcache.base.KVCache.in_place_slot`; the contiguous ``dynamic`` cache on
-the host). A prefill chunk of one sequence with such a cache runs every layer in one call too
-(:meth:`NativeModel.prefill`). GPU layers and the paged/tiered/quantized strategies keep the
-PyTorch path, and so do layers with pieces the kernels lack (Qwen3's q/k norm, partial rotary):
-they are listed in ``report.skipped``.
+applies, otherwise the layer runs its PyTorch code: float32 activations, and for every row a
+cache whose layers the kernels read in place (:meth:`hybridllm.kvcache.base.KVCache.in_place_rows`:
+every registered strategy's host storage; :func:`claim_rows` writes the runs into the
+``HLLayerCache`` table). GPU layers keep the PyTorch path; a layer the kernels cannot describe
+is listed in ``report.skipped`` (none of the families in ``config.ARCHITECTURES``). The backend
+routes a step's rows: one-token rows to :meth:`NativeModel.decode`, longer ones as segments of
+:meth:`NativeModel.prefill_chunks`.
 
 Weights the kernels read, all in place (one copy of every weight, whatever path reads it):
-
-- float32 ``nn.Linear``: the weight itself;
-- int4: :class:`~hybridllm.kernels.native_linear.NativeInt4Linear` blocks of 16 rows x 32 inputs
-  (:func:`pack_int4_blocks`: their bfloat16 scales and zeros, then the codes in the operand layout
-  of the integer dots and of AMX tiles; one sequential stream per thread reads faster than one
-  stream per row). Building the steps moves every host
-  ``Int4Linear`` into that layout (PyTorch's packed layout is not kept: prefill reads the blocks);
-- ``Int8Linear`` codes with float32 row scales; the ``Int8GroupedLinear`` head/embedding table.
+float32 ``nn.Linear`` weights as they are; every GGUF type of common files and the engine's
+int4/int8 as :class:`~hybridllm.kernels.native_linear.NativeQuantLinear` tiles of 16 rows with the
+file's own scales (:mod:`hybridllm.kernels.native_linear`; the loader builds them straight from
+the file when the native backend runs).
 """
 
 from __future__ import annotations
@@ -380,11 +378,11 @@ class NativeHead:
 
 
 class NativeModel:
-    """A whole decode step (every layer, final norm, head) in one kernel call.
+    """A whole decode step, or whole prefill chunks (every layer, final norm, head), in one kernel call.
 
-    Used when every layer and the head have native steps and the cache serves every layer in
-    place: per token, Python only looks up the embedding and the rotary tables and claims each
-    layer's cache row.
+    Used when every layer and the head have native steps and the caches serve every layer in
+    place: per step, Python only looks up the embeddings and the rotary tables and claims each
+    layer's cache rows.
     """
 
     def __init__(self, final_norm: nn.Module, layers: list[NativeDecodeLayer], head: NativeHead,
@@ -396,12 +394,6 @@ class NativeModel:
         self.structs = (HLDecoderLayer * len(layers))(*(layer.struct for layer in layers))
         self.head = head
         self.final_norm = final_norm
-
-    def applies(self, input_ids: torch.Tensor, x: torch.Tensor, cache: KVCache | BatchedCaches) -> bool:
-        """A decode step (one token per row) whose every row has its own in-place cache."""
-        return (input_ids.dim() == 2 and input_ids.shape[1] == 1 and input_ids.device.type == "cpu"
-                and x.dtype == torch.float32
-                and rows_in_place(row_caches(cache), self.layer_indices, input_ids.shape[0]))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: KVCache | BatchedCaches) -> torch.Tensor:
@@ -420,36 +412,17 @@ class NativeModel:
                                      self.team.threads())
         return logits
 
-    def applies_prefill(self, input_ids: torch.Tensor, x: torch.Tensor, cache: KVCache | BatchedCaches) -> bool:
-        """A prefill chunk (one sequence, several tokens) whose cache serves every layer in place."""
-        return (input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] > 1
-                and input_ids.device.type == "cpu" and x.dtype == torch.float32
-                and rows_in_place(row_caches(cache), self.layer_indices, 1))
-
-    def applies_chunks(self, x: torch.Tensor, caches: list[KVCache]) -> bool:
-        """Prefill chunks of several sequences (their embeddings ``x`` packed) whose caches serve
-        every layer in place."""
-        return (x.device.type == "cpu" and x.dtype == torch.float32
-                and rows_in_place(caches, self.layer_indices, len(caches)))
-
-    def prefill(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | BatchedCaches,
-                all_logits: bool = False) -> torch.Tensor:
-        """x: a chunk's embeddings (1, T, hidden) float32 -> logits (1, T or 1, vocab) float32.
-
-        The chunk's T positions run every layer in one call (``hl_prefill_model``): products
-        through the decode kernels or dequantized weight panels, causal query-tiled attention over
-        the cache; each layer's keys and values are written at their positions of the cache."""
-        [single] = row_caches(cache)
-        logits = self.prefill_chunks(x.reshape(x.shape[1], -1), cos, sin, [single], [x.shape[1]], all_logits)
-        return logits[None]  # (1, T or 1, vocab)
-
     def prefill_chunks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
                        lengths: list[int], all_logits: bool = False) -> torch.Tensor:
         """Prefill chunks of several sequences in one call: x (rows, hidden) float32, the chunks'
         embeddings packed (chunk i: ``lengths[i]`` rows, continuing ``caches[i]``), cos/sin (rows,
         ..., D) of each row's position -> logits (rows, vocab) with ``all_logits``, else each
         chunk's last row's (chunks, vocab). Each row's arithmetic depends on its own sequence
-        only (products row by row, attention within its chunk and cache)."""
+        only (products row by row, attention within its chunk and cache).
+
+        One ``hl_prefill_model`` call: products through the decode products, causal query-tiled
+        attention over each cache; each layer's keys and values are written at their positions of
+        each cache first."""
         n_layers, segments = len(self.layers), len(caches)
         slots = claim_rows(caches, self.layer_indices, lengths)  # (n_layers, segments), layer-major
         offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)  # (segments + 1,)

@@ -25,9 +25,9 @@ such a model (``KVStrategy.attention_options``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,23 @@ class AttentionOptions:
     def plain(self) -> bool:
         """Whether these are the defaults (every strategy's own path applies)."""
         return self.plain_scores and self.window is None
+
+
+class HostAttention(Protocol):
+    """Attention of queries over one run of KV rows held in host RAM, where they are, in their
+    format (the native kernels' :class:`~hybridllm.kernels.host_attention.HostPartialAttention`):
+    the host part of a split attention.
+
+    ``q`` (1, H, T, D) on the host, every query after every key of ``run`` (one layer's run as
+    :data:`~hybridllm.kvcache.base.RUN_FIELDS` describes it) -> out (1, H, T, D) and lse (1, H, T),
+    float32, as :func:`partial_attention` gives them. ``reads`` says which shapes it takes.
+    """
+
+    def __call__(self, q: torch.Tensor, run: Mapping[str, int], n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def reads(self, n_heads: int, n_kv_heads: int, head_dim: int, batch_size: int) -> bool:
+        ...
 
 
 PLAIN = AttentionOptions()

@@ -16,7 +16,7 @@ from enum import IntEnum
 import torch
 
 from hybridllm.errors import ConfigError, HybridLLMError
-from hybridllm.kvcache.attention import PLAIN, AttentionOptions
+from hybridllm.kvcache.attention import PLAIN, AttentionOptions, HostAttention
 
 TIERS = ("device", "host")
 
@@ -114,6 +114,9 @@ class KVSpec:
     max_tokens: int = 4096  # the model's context window: the cache never holds more
     # Each layer's attention options (sliding window, scale, soft-cap); (): plain everywhere.
     attention: tuple[AttentionOptions, ...] = ()
+    # How KV held in host RAM is attended where it lies when the device is another (the host part
+    # of a split attention: the native kernels); None: PyTorch over the rows read out.
+    host_attention: HostAttention | None = None
 
     def layer_options(self, layer_idx: int) -> AttentionOptions:
         """How layer ``layer_idx`` attends (:data:`~hybridllm.kvcache.attention.PLAIN` by default)."""

@@ -19,9 +19,10 @@ class BatchedCaches:
     """Row ``i`` of every ``attend`` call goes to ``caches[i]``.
 
     Only the part of the :class:`~hybridllm.kvcache.base.KVCache` interface that the model uses
-    is provided: :meth:`attend`, the per-row start positions :attr:`seq_lengths`, and in-place
-    rows for a batch of one (its sequence's cache's). The native decode step reads
-    :attr:`caches` to claim each row's own in-place rows (a batch decodes natively in one call).
+    is provided: :meth:`attend`, the per-row start positions :attr:`seq_lengths`, :meth:`truncate`
+    (each row to its own length), and in-place rows for a batch of one (its sequence's cache's).
+    The native decode step reads :attr:`caches` to claim each row's own in-place rows (a batch
+    decodes natively in one call).
 
     Args:
         caches: one cache per batch row, each holding a single sequence (batch size 1).
@@ -67,3 +68,13 @@ class BatchedCaches:
             for i, cache in enumerate(self.caches)
         ]
         return torch.cat(outs, dim=0)  # (B, H, T, D)
+
+    def truncate(self, lengths: int | Sequence[int]) -> None:
+        """Roll each row's cache back to its first ``lengths[i]`` tokens (an int: the same for
+        every row), as :meth:`KVCache.truncate` (a failed step's rows, a rejected draft's)."""
+        if isinstance(lengths, int):
+            lengths = [lengths] * len(self.caches)
+        if len(lengths) != len(self.caches):
+            raise ValueError(f"{len(lengths)} lengths for a batch of {len(self.caches)} rows")
+        for cache, length in zip(self.caches, lengths):
+            cache.truncate(length)

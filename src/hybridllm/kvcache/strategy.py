@@ -67,6 +67,8 @@ class KVStrategy:
         native: what the native steps read of it in place (a few words: its stores' layouts), or
             "" where they cannot: its layers then attend through PyTorch, which the runtime says
             in one warning (and ``doctor`` and the bench name).
+        host_part: it attends KV held in host RAM beside the device's (split attention), through
+            ``KVSpec.host_attention`` where the runtime gives one (the kernels, on a GPU).
     """
 
     name: str
@@ -79,6 +81,7 @@ class KVStrategy:
     spills_to_host: bool = False
     attention_options: bool = False
     native: str = ""
+    host_part: bool = False
 
     def memory(self, config: KVConfig, spec: KVSpec, n_tokens: int) -> dict[str, float]:
         """Bytes per tier the cache holds at ``n_tokens`` (the memory model)."""

@@ -256,12 +256,23 @@ class TieredCache(KVCache):
         mask = causal_mask(n_queries, n_hot, n_hot - n_queries, q.device) if n_queries > 1 else None
         hot_part = partial_attention(q, hot_k, hot_v, mask)  # async on CUDA
         transfer.host_wait(q_ready)
-        cold_k, cold_v = cold.read()  # (B, Hkv, n_cold, D); every cold key precedes every query
-        cold_out, cold_lse = partial_attention(q_host, cold_k, cold_v)
+        if self._attends_cold_in_place(cold, q.shape[1]):  # the kernels read the pages as they lie
+            cold_out, cold_lse = self.spec.host_attention(q_host, self._cold_run(cold, 0), self.spec.n_kv_heads)
+        else:
+            cold_k, cold_v = cold.read()  # (B, Hkv, n_cold, D); every cold key precedes every query
+            cold_out, cold_lse = partial_attention(q_host, cold_k, cold_v)
         self._count_bus("d2h", tensor_bytes(q))
         self._count_bus("h2d", tensor_bytes(cold_out, cold_lse))
         cold_part = (cold_out.to(q.device, non_blocking=True), cold_lse.to(q.device, non_blocking=True))
         return merge_partials([hot_part, cold_part]).to(q.dtype)
+
+    def _attends_cold_in_place(self, cold: TokenStore, n_heads: int) -> bool:
+        """Whether the spec's host attention reads this layer's cold pages in place (dense rows
+        of float32/float16, or quantized pages, in shapes it takes)."""
+        spec = self.spec
+        return (spec.host_attention is not None
+                and spec.host_attention.reads(n_heads, spec.n_kv_heads, spec.head_dim, spec.batch_size)
+                and (not isinstance(cold, DenseKV) or cold.storage_dtype in (torch.float32, torch.float16)))
 
     # ---- truncation ---------------------------------------------------------------------
     def _release_from(self, length: int) -> None:
@@ -322,6 +333,7 @@ STRATEGY = KVStrategy(
     name="tiered",
     tiers=("device", "host"),
     spills_to_host=True,
+    host_part=True,
     build=lambda config, spec, ledger: TieredCache(
         spec, ledger,
         page_size=config.kv_page_size,

@@ -33,6 +33,7 @@ from hybridllm.kvcache.factory import check_attention_options
 from hybridllm.loading.loader import load_model
 from hybridllm.kernels.abi import kernels
 from hybridllm.kernels.build import KernelBuildError
+from hybridllm.kernels.host_attention import HostPartialAttention
 from hybridllm.kernels.native_linear import NATIVE_LAYOUT, NativeHostLayout
 from hybridllm.kvcache.registry import get_strategy
 from hybridllm.models.quantized import check_weights_mode, weights_format
@@ -148,6 +149,8 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     )
     check_attention_options(placement.kv.kv_cache, runtime.kv_spec())  # one line now, not at the first request
     runtime.native_kv = native_kv(runtime)
+    if get_strategy(placement.kv.kv_cache).host_part:
+        runtime.host_attention = host_attention(devices.device, engine_config.threads)
     if placement.decode_on == "host":
         t0 = time.perf_counter()
         runtime.migration()
@@ -179,6 +182,19 @@ def native_kv(runtime: Runtime) -> bool:
         logger.warning("native steps: the kernels cannot read the %s KV cache; its attention runs in PyTorch "
                        "(slower; see `hybridllm doctor`)", strategy.name)
     return reads
+
+
+def host_attention(device: torch.device, threads: int | None) -> HostPartialAttention | None:
+    """The kernels for the host part of split attention (a strategy's ``host_part``) where the
+    compute device is not the host (a GPU: a tiered cache's cold pages are attended in place while
+    the device attends its window); None on the CPU (the native steps read every store already) or where the kernels
+    cannot be built (PyTorch then attends the rows it reads out)."""
+    if device.type == "cpu":
+        return None
+    try:
+        return HostPartialAttention(threads)
+    except KernelBuildError:
+        return None
 
 
 def host_layout(backend: str) -> NativeHostLayout | None:

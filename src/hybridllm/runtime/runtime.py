@@ -13,7 +13,7 @@ from typing import Any
 
 from hybridllm.config import EngineConfig, KVConfig, ModelConfig
 from hybridllm.errors import ConfigError
-from hybridllm.kvcache.attention import layer_attention
+from hybridllm.kvcache.attention import HostAttention, layer_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
 from hybridllm.kvcache.factory import create_cache
@@ -42,6 +42,8 @@ class Runtime:
         build_host_runner: makes the host runner for phase migration (called once, on first need).
         native_kv: whether the native steps read the KV strategy's stores in place (False where the
             kernels run no layer, or cannot read the strategy: its attention then runs in PyTorch).
+        host_attention: how the caches attend KV held in host RAM in place when the compute
+            device is another (the native kernels; None: PyTorch over the rows read out).
     """
 
     checkpoint: Any
@@ -57,7 +59,17 @@ class Runtime:
     weights_format: str
     build_host_runner: Callable[[], tuple[Any, dict[str, int]]]
     native_kv: bool = False
+    host_attention: HostAttention | None = None
     _migration: PhaseMigration | None = field(default=None, repr=False)
+
+    @property
+    def kv_attention(self) -> str:
+        """Who attends the KV, in words (the bench's rows name it): "native" (the kernels read
+        the strategy's stores in place), "PyTorch, host part native" (split attention on a GPU),
+        or "PyTorch"."""
+        if self.native_kv:
+            return "native"
+        return "PyTorch, host part native" if self.host_attention is not None else "PyTorch"
 
     @property
     def kv_config(self) -> KVConfig:
@@ -86,6 +98,7 @@ class Runtime:
             host_device=self.devices.host,
             max_tokens=self.context_length,
             attention=layer_attention(cfg, self.context_length),
+            host_attention=self.host_attention,
         )
 
     def kv_ledger(self, host_budget: int | None = None) -> MemoryLedger:

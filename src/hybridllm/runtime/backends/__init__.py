@@ -1,20 +1,20 @@
 """Decode backends by name. Adding one (say ``cuda-graph``) is one module with a class that
-follows :class:`~hybridllm.runtime.backends.base.DecodeBackend` (constructed from the model)
-plus one line in :data:`BACKENDS`."""
+follows :class:`~hybridllm.runtime.backends.base.DecodeBackend` (constructed from the placed
+model, :class:`~hybridllm.runtime.placed_model.PlacedModel`) plus one line in :data:`BACKENDS`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from hybridllm.errors import ConfigError
-from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.runtime.backends.base import BackendReport, DecodeBackend
 from hybridllm.runtime.backends.compiled import CompiledBackend
 from hybridllm.runtime.backends.cuda_graph import CudaGraphBackend
 from hybridllm.runtime.backends.eager import EagerBackend
 from hybridllm.runtime.backends.native import NativeBackend
+from hybridllm.runtime.placed_model import PlacedModel
 
-BACKENDS: dict[str, Callable[[LlamaForCausalLM], DecodeBackend]] = {
+BACKENDS: dict[str, Callable[[PlacedModel], DecodeBackend]] = {
     "eager": EagerBackend,
     "compiled": CompiledBackend,
     "native": NativeBackend,
@@ -23,7 +23,7 @@ BACKENDS: dict[str, Callable[[LlamaForCausalLM], DecodeBackend]] = {
 AUTO = "auto"
 
 
-def backend_class(name: str) -> Callable[[LlamaForCausalLM], DecodeBackend]:
+def backend_class(name: str) -> Callable[[PlacedModel], DecodeBackend]:
     """The backend registered as ``name``; ConfigError naming the choices otherwise."""
     try:
         return BACKENDS[name]

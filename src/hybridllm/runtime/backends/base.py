@@ -1,10 +1,16 @@
-"""The decode backend contract: how a decode step (one token per sequence) runs.
+"""The backend contract: how a forward of rows of any length runs on one placed model.
 
-The runner (:class:`hybridllm.runtime.runner.ModelRunner`) walks the layers tier by tier and
-hands every decode step's layers, and every forward's head, to its backend; a backend may also
-run a whole prefill chunk. A backend is built once for a model (at build time, not per step)
-and never changes what the model computes; it may hold weights in the layout its kernels read
-(the native backend keeps host int4 layers as its kernels' blocks: their one copy).
+The runner (:class:`hybridllm.runtime.runner.ModelRunner`) hands every forward to its backend
+as a :class:`~hybridllm.runtime.forward_batch.ForwardBatch`: per row a sequence's cache, its
+tokens (one, a prefill chunk, or several generated ones), their start position and whether it
+wants every position's logits. ``step(batch)`` is the one entry point: the backend runs the rows
+its own kernels take (the native backend: every one-token row in one call, every chunk in
+another) and walks the placed model's layers for the rest
+(:meth:`~hybridllm.runtime.placed_model.PlacedModel.walk`, with the backend's hooks: ``glue``,
+the one-token ``layer_step`` and ``head``). A backend is built once for a placed model (at build
+time, not per step) and never changes what the model computes; it may hold weights in the
+layout its kernels read (the native backend keeps host weights as its kernels' tiles: their one
+copy).
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from typing import Protocol
 import torch
 
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
+from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.models.llama import DecoderLayer
 from hybridllm.placement.placement import Placement
+from hybridllm.runtime.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -42,7 +50,8 @@ class BackendReport:
 
 
 class DecodeBackend(Protocol):
-    """Runs the decode steps of one model.
+    """Runs the forwards of one placed model (constructed from a
+    :class:`~hybridllm.runtime.placed_model.PlacedModel`).
 
     Attributes:
         name: the registry name ("eager", "compiled", "native", ...).
@@ -55,27 +64,14 @@ class DecodeBackend(Protocol):
     report: BackendReport
     compiles_lazily: bool
 
-    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: KVCache) -> torch.Tensor | None:
-        """Logits (1, 1, vocab) of a whole decode step in one call, or None (no such step, or it
-        does not apply here): the runner then walks the layers. ``x``: the embedding (B, 1, hidden)."""
+    def step(self, batch: ForwardBatch) -> list[torch.Tensor]:
+        """Run every row of ``batch`` (rows of any length, each continuing its own cache) and
+        return each row's float32 logits, (len(tokens) if ``all_logits`` else 1, vocab), on the
+        head's device, in batch order. Each row's logits and KV are those of its forward alone
+        (bitwise where the backend's kernels are batch-invariant: native)."""
         ...
 
-    def prefill_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: KVCache, all_logits: bool) -> torch.Tensor | None:
-        """Logits (1, T or 1, vocab) of a whole prefill chunk (T > 1 tokens of one sequence) in
-        one call, or None: the runner then runs the model's own layers. ``x``: the embedding
-        (1, T, hidden); ``all_logits``: every position's logits, else the last one's."""
-        ...
-
-    def chunks_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[KVCache],
-                    lengths: list[int]) -> torch.Tensor | None:
-        """Last-position logits (chunks, vocab) of prefill chunks of several sequences in one
-        call, or None (no such step, or it does not apply): the runner then runs each chunk
-        alone. ``x``: the chunks' embeddings packed (1, rows, hidden), chunk i ``lengths[i]`` rows
-        continuing ``caches[i]``; ``cos``/``sin``: each row's rotary table (rows, 1, 1, D)."""
-        ...
-
+    # the hooks the placed model's layer walk takes from its backend (for the rows ``step`` walks)
     def glue(self) -> AbstractContextManager:
         """The scope of the PyTorch ops around a step (embedding lookup, rotary tables): the
         native backend runs them on one thread, so that PyTorch's OpenMP workers, which spin
@@ -83,12 +79,12 @@ class DecodeBackend(Protocol):
         ...
 
     def layer_step(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: KVCache) -> torch.Tensor:
-        """One layer of a decode step: x (B, 1, hidden) -> (B, 1, hidden)."""
+                   cache: KVCache | BatchedCaches) -> torch.Tensor:
+        """One layer of a one-token forward: x (B, 1, hidden) -> (B, 1, hidden)."""
         ...
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 logits (B, T, vocab) of normed hidden states (B, T, hidden) (every forward)."""
+        """Float32 logits (B, T, vocab) of normed hidden states (B, T, hidden) (every walked forward)."""
         ...
 
     def check_placement(self, placement: Placement) -> None:

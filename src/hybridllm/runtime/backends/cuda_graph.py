@@ -38,11 +38,11 @@ import torch
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.attention import layer_attention, length_masked_decode_attention, split_kv_decode_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
-from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.kvcache.static import StaticKVPool, StaticSlotCache
-from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.backends.eager import EagerBackend
+from hybridllm.runtime.forward_batch import ForwardBatch, ForwardRow
+from hybridllm.runtime.placed_model import PlacedModel
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_KEY_SPAN = 256
@@ -96,8 +96,9 @@ class CudaGraphBackend(EagerBackend):
     name = "cuda-graph"
     compiles_lazily = True  # the first steps capture graphs: the build's warm-up captures bucket 1
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        super().__init__(model)
+    def __init__(self, placed: PlacedModel) -> None:
+        super().__init__(placed)
+        model = self.model
         if layer_attention(model.config):  # its captured step attends plainly over a static row
             raise ConfigError("the cuda-graph decode backend has no sliding-window, scaled or soft-capped attention "
                               "(this model has them); choose --decode-backend eager or compiled")
@@ -149,24 +150,40 @@ class CudaGraphBackend(EagerBackend):
         return list(self._graphs)
 
     # ---- the step ------------------------------------------------------------------------
-    def token_step(self, input_ids: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: KVCache) -> torch.Tensor | None:
-        rows = self._static_rows(cache)
-        if rows is None:
+    def step(self, batch: ForwardBatch) -> list[torch.Tensor]:
+        """The one-token rows of this backend's static caches in one static step (a captured
+        graph on CUDA); every other row (prefill chunks, several tokens) walks the layers."""
+        rows = batch.rows
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        singles = [i for i, row in enumerate(rows) if row.n_tokens == 1]
+        logits = self._static_step([rows[i] for i in singles]) if singles else None
+        if logits is not None:
+            for j, i in enumerate(singles):
+                out[i] = logits[j]  # (1, vocab)
+        rest = [i for i in range(len(rows)) if out[i] is None]
+        if rest:
+            for i, row_logits in zip(rest, self.walk_rows([rows[i] for i in rest])):
+                out[i] = row_logits
+        return out
+
+    def _static_step(self, rows: list[ForwardRow]) -> torch.Tensor | None:
+        """Logits (B, 1, vocab) of one-token rows in batch order, or None (a row's cache is not a
+        row of the pool, or the batch needs more rows than the largest bucket)."""
+        caches = [row.cache for row in rows]
+        if self.pool is None or not all(isinstance(c, StaticSlotCache) and c.pool is self.pool for c in caches):
             return None
         pool = self.pool
-        slots = [row.slot() for row in rows]
+        slots = [cache.slot() for cache in caches]
         bucket = batch_bucket(max(slots) + 1)
         if bucket is None:  # more rows than the largest bucket: the eager walk serves it
             return None
-        longest = max(row.seq_length for row in rows) + 1
+        longest = max(cache.seq_length for cache in caches) + 1
         pool.ensure_capacity(longest)
         self._follow_pool()
         step_inputs = self._padding[:, :bucket].clone()  # (4, bucket)
-        tokens = input_ids[:, 0].cpu()
-        for slot, row, token in zip(slots, rows, tokens):
-            position = row.advance_all()
-            step_inputs[:, slot] = torch.tensor([int(token), position, position, position + 1])
+        for slot, cache, row in zip(slots, caches, rows):
+            position = cache.advance_all()
+            step_inputs[:, slot] = torch.tensor([int(row.token_ids[0]), position, position, position + 1])
         span = key_span(longest, pool.capacity)
         self.steps_by_bucket[bucket] += 1
         captured = self._captured(bucket, span) if self.captures else None
@@ -177,13 +194,6 @@ class CudaGraphBackend(EagerBackend):
         else:
             logits = self._forward(bucket, span, self._variants(span)[0])
         return logits.index_select(0, torch.tensor(slots, device=logits.device))  # (B, 1, vocab), batch order
-
-    def _static_rows(self, cache: KVCache | BatchedCaches) -> list[StaticSlotCache] | None:
-        """The batch's slot caches when every row is one of this backend's, else None."""
-        caches = cache.caches if isinstance(cache, BatchedCaches) else [cache]
-        if self.pool is None or not all(isinstance(c, StaticSlotCache) and c.pool is self.pool for c in caches):
-            return None
-        return caches
 
     def _follow_pool(self) -> None:
         """After the pool reallocated: drop the graphs over the old buffers, rebuild the rotary
