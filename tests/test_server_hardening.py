@@ -319,7 +319,7 @@ def test_a_failing_forward_says_internal_error_once(tiny_llm, monkeypatch):
     def broken(*_args, **_kwargs):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(sched, "_decode_step", broken)  # a fault outside the per-sequence guards
+    monkeypatch.setattr(sched.executor, "execute", broken)  # a fault outside the per-row guards: the whole step
     seen: list[SeqEvent] = []
     sched.submit("r", tiny_llm.tokenizer.encode("hi"), GREEDY, seen.append)
     sched.start()
