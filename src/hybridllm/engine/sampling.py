@@ -144,8 +144,14 @@ def process_logits(logits: torch.Tensor, samplers: Sequence[Sampler]) -> None:
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled row draws from: ``logits`` (..., vocab) over the temperature,
-    then top-k, top-p and min-p (Hugging Face's order), then softmax."""
-    logits = logits / params.temperature
+    then top-k, top-p and min-p (Hugging Face's order), then softmax.
+
+    At float32's edges the division can leave the finite range: a small temperature (or a logit
+    the repetition penalty already pushed to the largest float) overflows to +inf, and a huge one
+    (cast to float32: inf) turns a masked -inf into NaN; either would make the softmax NaN. So
+    +inf becomes the largest finite logit (the order kept) and NaN -inf (the token stays masked)."""
+    logits = torch.nan_to_num(logits / params.temperature, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max,
+                              neginf=float("-inf"))
     if params.top_k > 0:
         logits = top_k_filter(logits, params.top_k)
     if params.top_p < 1.0:
