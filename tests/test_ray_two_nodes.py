@@ -126,7 +126,7 @@ def cluster(tmp_path_factory):
 
 def stream(base: str, model: str, prompt: str, out: list[str]) -> None:
     with httpx.stream("POST", f"{base}/v1/completions", timeout=BOUND_S, json={
-            "model": model, "prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "temperature": 0,
+            "model": model, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
             "stream": True}) as r:
         out.append(f"{r.status_code}\n" + "".join(r.iter_text()))
 

@@ -2,10 +2,14 @@
 
 A server of a tiny random model (512-token context, so every generation is short) on a loopback
 port; Schemathesis reads ``/openapi.json`` from it and sends each operation a bounded number of
-generated requests, valid and invalid (Schemathesis' positive and negative modes, Hypothesis
-derandomized: the same requests each run): no answer may be 5xx, every 4xx carries an OpenAI error object, and the server answers a normal
-request afterwards. Nothing leaves the machine: Schemathesis has no telemetry, Hypothesis keeps no
-example database here (``database=None``), and every request goes to 127.0.0.1.
+generated requests, valid and invalid (Schemathesis' positive and negative modes): no answer may
+be 5xx, every 4xx carries an OpenAI error object, and the server answers a normal request to each
+route afterwards. Hypothesis is derandomized (its seed fixed), yet the requests drawn after the
+first few still differ from one pytest session to the next (they did in this suite: a 500 of the
+sampler at float32's edges showed up in some sessions only; now fixed and covered by
+tests/test_sampling.py), so a failure prints the request as a curl command to reproduce it.
+Nothing leaves the machine: Schemathesis has no telemetry, Hypothesis keeps no example database
+here (``database=None``), and every request goes to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from hybridllm.server.app import create_app
 
 pytestmark = pytest.mark.slow  # a few hundred generated requests
 
-MAX_EXAMPLES = 50  # per operation and mode: about 1,100 requests in all, ~30 s on 2 cores
+MAX_EXAMPLES = 50  # per operation and mode: about 550 requests in all (operations without inputs: one)
 SEED = 38
 ERROR_KEYS = {"message", "type", "param", "code"}
+BODY_ROUTES = ("POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize", "POST /detokenize")
 seen_statuses: dict[str, set[int]] = {}
 
 
@@ -83,11 +88,21 @@ def test_no_server_error_and_every_client_error_is_an_openai_error_object(fuzz_s
 
 
 def test_the_server_answers_a_normal_request_after_the_fuzzing(fuzz_server):
-    for label in ("POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize", "POST /detokenize"):
-        assert 200 in seen_statuses[label] and any(400 <= code < 500 for code in seen_statuses[label]), label
+    # the fuzz got past validation (some generated body was answered 200: which routes, depends on
+    # what Hypothesis draws in this session) and was refused where it should be (4xx on each route)
+    assert any(200 in seen_statuses[label] for label in BODY_ROUTES), seen_statuses
+    for label in BODY_ROUTES:
+        assert any(400 <= code < 500 for code in seen_statuses[label]), label
     model = httpx.get(f"{fuzz_server}/v1/models").json()["data"][0]["id"]
-    reply = httpx.post(f"{fuzz_server}/v1/chat/completions", timeout=120, json={
-        "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
-    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    normal = {"/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "hello"}],
+                                       "max_tokens": 4, "temperature": 0},
+              "/v1/completions": {"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0},
+              "/tokenize": {"content": "hello"},
+              "/detokenize": {"tokens": [1, 2, 3]}}
+    replies = {path: httpx.post(f"{fuzz_server}{path}", json=body, timeout=120) for path, body in normal.items()}
+    assert all(reply.status_code == 200 for reply in replies.values()), {p: r.text[:300] for p, r in replies.items()}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert replies[path].json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert replies["/tokenize"].json()["tokens"]
     health = httpx.get(f"{fuzz_server}/health").json()
     assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
