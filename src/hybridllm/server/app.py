@@ -56,6 +56,7 @@ from hybridllm.server.routes import ROUTERS
 from hybridllm.server.shutdown import Draining, RefuseWhileDraining
 from hybridllm.server.stats import ServerStats
 
+
 def default_model_name(llm: Any) -> str:
     """The served model id: the model's one name (:func:`~hybridllm.loading.local_models.model_name`,
     ``SmolLM2-135M-Instruct.Q4_1``), as ``hybridllm models`` and chat show it."""

@@ -61,12 +61,12 @@ REPLICA_ERRORS = (RayActorError, WorkerCrashedError, ReplicaUnavailableError, De
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions")
 PROBE_TIMEOUT_S = 5.0  # a replica that does not describe itself within this is unreachable
 WATCH_INTERVAL_S = 1.0
+SKIPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
 
 class ReplicaLost(Exception):
     """The replica of a request in flight stopped being live (its probe timed out, or another
     call saw its process end)."""
-SKIPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 
 
 def unavailable(message: str, code: str) -> JSONResponse:
