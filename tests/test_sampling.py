@@ -119,6 +119,24 @@ def test_sampling_at_float32s_edges_draws_a_token_never_a_masked_one(kwargs):
         assert sample_rows(row[None].clone(), [sampler]) != [7]
 
 
+@pytest.mark.parametrize("penalty", [1.4e65, 5e-324])
+def test_a_huge_or_tiny_repetition_penalty_never_masks_the_only_allowed_tokens(penalty):
+    """A grammar allows three tokens, all seen, their logits <= 0: a penalty that float32 rounds to
+    inf (or to 0) pushes them as far as floats go, never to -inf (the fuzz's 500: every allowed
+    token masked, the softmax NaN)."""
+    logits = torch.full((1, 64), float("-inf"))
+    logits[0, [0, 3, 6]] = torch.tensor([-1.5, 0.0, -0.25])  # what the grammar allows
+    for temperature in (0.0, 0.3, 1.0):
+        params = SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=0)
+        sampler = Sampler(params, prompt_ids=[0, 3, 6, 9])
+        processed = logits.clone()
+        process_logits(processed, [sampler])
+        assert torch.isfinite(processed[0, [0, 3, 6]]).all() and torch.isneginf(processed[0, 1])
+        if not params.greedy:
+            assert torch.isfinite(probabilities(processed, params)).all()
+        assert sample_rows(logits.clone(), [sampler])[0] in (0, 3, 6)
+
+
 def test_logprobs_are_the_log_softmax_before_any_transform():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
     reference = torch.log_softmax(logits, dim=-1)
