@@ -25,6 +25,7 @@ ALL_ARCHS = ARCHS + MORE_ARCHS
 # lent GPU's image has neither), those modules skip, so `pytest -m cuda tests` still collects.
 OPENAI_MISSING = "the openai client is in the dev extra (pip install -e '.[dev]')"
 RAY_MISSING = "Ray is in the ray extra (pip install -e '.[ray]')"
+SCHEMATHESIS_MISSING = "Schemathesis is in the dev extra (pip install -e '.[dev]')"
 
 
 def import_extra(module: str, reason: str) -> Any:

@@ -2,8 +2,9 @@
 
 Real :class:`Ingress` and :class:`EngineReplica` objects (a tiny random model each); between them,
 stand-ins for Ray Serve's deployment handles that call the replica directly and can play a
-replica whose process died (Ray's ``ActorDiedError``). Checks the forwarding (answers equal the
-engine's own), the merged ``/metrics``, and what clients get when a replica dies mid-request.
+replica whose process died (Ray's ``ActorDiedError``) or hangs (no answer at all). Checks the
+forwarding (answers equal the engine's own), the merged ``/metrics``, and what clients get when a
+replica dies or stops answering mid-request.
 (The real cluster: tests/test_ray_serve.py, slow.)
 """
 
@@ -56,8 +57,10 @@ class FakeStream:
         return self
 
     async def __anext__(self) -> Any:
+        await self.handle.unless_hung()
         if self.handle.fail_after is not None and self.sent >= self.handle.fail_after:
-            await self.parts.aclose()  # the process is gone: its request with it
+            self.handle.fail_after = 0  # the process is gone: every call fails from now on
+            await self.parts.aclose()  # and its request with it
             raise ActorDiedError()
         self.sent += 1
         return await self.parts.__anext__()
@@ -74,12 +77,13 @@ class Remote:
 class FakeHandle:
     """A deployment handle of one engine replica, calling it in this process.
 
-    ``fail_after``: None while the replica lives; N: its process died, calls fail (a stream after
-    N more parts)."""
+    ``fail_after``: None while the replica lives; 0: its process died, calls fail; N: it dies after
+    a stream's N next parts. ``hung``: set while its process answers nothing (calls wait)."""
 
     def __init__(self, replica: EngineReplica) -> None:
         self.replica = replica
         self.fail_after: int | None = None
+        self.hung = False
         self.handle_http = Remote(lambda request: FakeStream(self.replica.handle_http(request), self))
         self.describe = Remote(lambda: FakeResponse(self.call(self.replica.describe)))
         self.metrics_text = Remote(lambda: FakeResponse(self.call(self.replica.metrics_text)))
@@ -88,8 +92,13 @@ class FakeHandle:
     def options(self, stream: bool = False) -> FakeHandle:
         return self
 
+    async def unless_hung(self) -> None:
+        while self.hung:
+            await asyncio.sleep(0.01)
+
     async def call(self, method: Callable[[], Any]) -> Any:
-        if self.fail_after is not None:
+        await self.unless_hung()
+        if self.fail_after == 0:
             raise ActorDiedError()
         return method()
 
@@ -107,10 +116,10 @@ def replicas(tiny_models):
 Body = Callable[[httpx.AsyncClient, Ingress, list["FakeHandle"]], Any]
 
 
-def run_with_ingress(replicas: list[EngineReplica], body: Body) -> Any:
+def run_with_ingress(replicas: list[EngineReplica], body: Body, probe_timeout_s: float = 5.0) -> Any:
     """Run ``body(client, ingress, handles)`` against an ingress in front of ``replicas``."""
     handles = [FakeHandle(replica) for replica in replicas]
-    ingress = Ingress(handles, max_imbalance=4)
+    ingress = Ingress(handles, max_imbalance=4, probe_timeout_s=probe_timeout_s)
 
     async def app(scope: dict, receive: Any, send: Any) -> None:
         response = await ingress(Request(scope, receive))
@@ -195,17 +204,22 @@ def test_a_dead_replica_gets_503_or_an_sse_error_and_comes_back(replicas):
         home = ingress.ring.preferred(prefix_key(request), ingress.replicas)
         handles[int(home)].fail_after = 3
         out["stream"] = await client.post("/v1/completions", json=request)
-        out["live_after_stream"], out["home"] = set(ingress.live), home
+        out["live_after_stream"], out["home"] = set(ingress.liveness.live), home
         # both dead before answering: 503 replica_unavailable, then no replica at all: 503 no_replica
-        ingress.live.update(ingress.replicas)
+        for replica in ingress.replicas:
+            ingress.liveness.answered(replica)
         handles[0].fail_after = handles[1].fail_after = 0
         out["json"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
         out["json2"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
         out["none"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
         out["health_down"] = await client.get("/health")
-        # Ray brought them back: the next probe routes to them again
+        # Ray brought them back: the next probe (every second) routes to them again
         handles[0].fail_after = handles[1].fail_after = None
-        out["health_up"] = await client.get("/health")
+        for _ in range(200):
+            out["health_up"] = await client.get("/health")
+            if out["health_up"].status_code == 200 and set(out["health_up"].json()["replicas"].values()) == {"ok"}:
+                break
+            await asyncio.sleep(0.05)
         out["after"] = await client.post("/v1/completions", json=completion("a tale") | {"model": model})
         out["metrics"] = (await client.get("/metrics")).text
         return out
@@ -220,7 +234,7 @@ def test_a_dead_replica_gets_503_or_an_sse_error_and_comes_back(replicas):
         assert out[key].status_code == 503 and out[key].headers["retry-after"] == "1"
         assert out[key].json()["error"]["code"] == "replica_unavailable"
     assert out["none"].status_code == 503 and out["none"].json()["error"]["code"] == "no_replica"
-    assert out["health_down"].status_code == 503
+    assert out["health_down"].status_code == 503 and out["health_down"].headers["retry-after"] == "1"
     assert out["health_down"].json()["replicas"] == {"0": "down", "1": "down"}
     assert out["health_up"].status_code == 200 and out["health_up"].json()["replicas"] == {"0": "ok", "1": "ok"}
     assert out["after"].status_code == 200
@@ -254,3 +268,65 @@ def test_the_ingress_serves_the_page_and_every_replicas_stats(replicas):
     assert one[0]["live"] and check_schema(one[0]["stats"]).requests.running == 0
     assert one[1]["live"] is False and one[1]["stats"] is None
     assert out["bad"].status_code == 400 and out["bad"].json()["error"]["param"] == "since"
+
+
+def test_a_hung_replica_is_unreachable_its_requests_get_503_and_health_never_waits(replicas):
+    """A replica that answers nothing (a hung process, a node gone): its probe times out, it is
+    "unreachable" and out of routing, its requests in flight are answered at once (503 with
+    Retry-After; an SSE error event and [DONE]), /health answers from what the probes found while
+    a probe still waits, and the replica is "ok" again at its next answer."""
+    model = served_model(replicas[0])
+
+    async def body(client: httpx.AsyncClient, ingress: Ingress, handles: list[FakeHandle]) -> Any:
+        out: dict[str, Any] = {"fresh": dict(ingress.liveness.status)}  # a new ingress trusts no replica yet
+        out["first"] = await client.get("/health")  # the probes start with this call
+        for _ in range(200):
+            if set(ingress.liveness.status.values()) == {"ok"}:
+                break
+            await asyncio.sleep(0.02)
+        out["before"] = await client.get("/health")
+        request = completion("a story", max_tokens=8) | {"model": model}
+        home = ingress.ring.preferred(prefix_key(request), ingress.replicas)
+        other = next(r for r in ingress.replicas if r != home)
+        handles[int(home)].hung = True
+        # answered by the hung replica's loss, not by its (never coming) reply
+        json_reply, stream_reply = await asyncio.gather(
+            client.post("/v1/completions", json=request),
+            client.post("/v1/completions", json=request | {"stream": True}))
+        out["json"], out["stream"], out["home"], out["other"] = json_reply, stream_reply, home, other
+        out["during"] = await client.get("/health")  # a probe of the hung replica is waiting now
+        out["table"] = (await client.get("/replicas")).json()
+        out["rerouted"] = await client.post("/v1/completions", json=request)  # to the other replica
+        handles[int(home)].hung = False
+        for _ in range(300):
+            if ingress.liveness.status[home] == "ok":
+                break
+            await asyncio.sleep(0.02)
+        out["after"] = await client.get("/health")
+        out["metrics"] = (await client.get("/metrics")).text
+        return out
+
+    # a long probe timeout beside the test's client timeout: /health must not wait for a probe
+    out = run_with_ingress(replicas, body, probe_timeout_s=0.5)
+    home, other = out["home"], out["other"]
+    assert out["fresh"] == {"0": "unknown", "1": "unknown"}
+    assert out["first"].status_code in (200, 503)
+    assert out["before"].json()["replicas"] == {"0": "ok", "1": "ok"}
+    assert out["json"].status_code == 503 and out["json"].headers["retry-after"] == "1"
+    assert out["json"].json()["error"]["code"] == "replica_unavailable"
+    assert "stopped answering" in out["json"].json()["error"]["message"]
+    events = [line[len("data: "):] for line in out["stream"].text.splitlines() if line.startswith("data: ")]
+    assert out["stream"].status_code in (200, 503)
+    if out["stream"].status_code == 200:  # the stream had begun: an error event, then [DONE]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "replica_unavailable"
+    else:
+        assert out["stream"].json()["error"]["code"] == "replica_unavailable"
+    assert out["during"].status_code == 200
+    assert out["during"].json()["replicas"] == {home: "unreachable", other: "ok"}
+    assert {r["replica"]: (r["status"], r["live"]) for r in out["table"]} == {home: ("unreachable", False),
+                                                                           other: ("ok", True)}
+    assert out["rerouted"].status_code == 200
+    assert out["after"].json()["replicas"] == {"0": "ok", "1": "ok"}
+    failures = {line.split('replica="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in out["metrics"].splitlines() if line.startswith("hybridllm:ingress_replica_failures_total{")}
+    assert failures[home] == 2 and failures[other] == 0

@@ -69,6 +69,7 @@ def error_code(exc: openai.APIError) -> str | None:
 
 def stop_tree(proc: subprocess.Popen) -> None:
     """SIGTERM the server (it stops Serve and its Ray cluster), then kill what it started and left."""
+    started: list[psutil.Process] = []
     with contextlib.suppress(psutil.NoSuchProcess):
         started = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGTERM)

@@ -14,6 +14,9 @@ from hybridllm.engine.sampling import (
     apply_repetition_penalty,
     greedy_token,
     min_p_filter,
+    probabilities,
+    process_logits,
+    sample_rows,
     top_k_filter,
     top_p_filter,
 )
@@ -91,6 +94,47 @@ def test_logit_bias_adds_to_the_logits():
     assert Sampler(SamplingParams(temperature=0, logit_bias={2: -100.0}))(logits) in (0, 1)
     seeded = SamplingParams(temperature=1.0, seed=3, logit_bias={1: 100.0})
     assert {Sampler(seeded)(torch.randn(50)) for _ in range(5)} == {1}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 1e-5, "repetition_penalty": 5e-324},  # a seen logit at float32's max, then over 1e-5: +inf
+    {"temperature": 1e-5},  # logits of 1e4 over 1e-5 stay finite, those of 1e36 do not
+    {"temperature": 1e300},  # cast to float32: inf; a masked -inf over it is NaN
+    {"temperature": 0.5, "repetition_penalty": 1e-40, "top_p": 5e-324, "min_p": 5e-324},
+    {"temperature": 2.0, "repetition_penalty": 1e300, "presence_penalty": -2.0, "frequency_penalty": -2.0},
+], ids=["tiny-temperature-tiny-penalty", "tiny-temperature", "huge-temperature", "subnormal-filters",
+        "huge-penalty"])
+def test_sampling_at_float32s_edges_draws_a_token_never_a_masked_one(kwargs):
+    """Parameters a request may send (the fuzz found them) that overflow float32 on the way to the
+    probabilities: they stay finite, and every draw is a real token, never a masked one."""
+    params = SamplingParams(seed=0, **kwargs)
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1.0], [1e4], [1e36], [1.0]])
+    logits[:, 7] = float("-inf")  # masked (a grammar's mask does this)
+    sampler = Sampler(params, prompt_ids=list(range(0, 64, 3)))  # the repetition penalty sees a third of the vocab
+    for row in logits:
+        processed = row[None].clone()
+        process_logits(processed, [sampler])
+        probs = probabilities(processed, params)
+        assert torch.isfinite(probs).all() and probs[0, 7] == 0 and probs.sum() == pytest.approx(1.0)
+        assert sample_rows(row[None].clone(), [sampler]) != [7]
+
+
+@pytest.mark.parametrize("penalty", [1.4e65, 5e-324])
+def test_a_huge_or_tiny_repetition_penalty_never_masks_the_only_allowed_tokens(penalty):
+    """A grammar allows three tokens, all seen, their logits <= 0: a penalty that float32 rounds to
+    inf (or to 0) pushes them as far as floats go, never to -inf (the fuzz's 500: every allowed
+    token masked, the softmax NaN)."""
+    logits = torch.full((1, 64), float("-inf"))
+    logits[0, [0, 3, 6]] = torch.tensor([-1.5, 0.0, -0.25])  # what the grammar allows
+    for temperature in (0.0, 0.3, 1.0):
+        params = SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=0)
+        sampler = Sampler(params, prompt_ids=[0, 3, 6, 9])
+        processed = logits.clone()
+        process_logits(processed, [sampler])
+        assert torch.isfinite(processed[0, [0, 3, 6]]).all() and torch.isneginf(processed[0, 1])
+        if not params.greedy:
+            assert torch.isfinite(probabilities(processed, params)).all()
+        assert sample_rows(logits.clone(), [sampler])[0] in (0, 3, 6)
 
 
 def test_logprobs_are_the_log_softmax_before_any_transform():

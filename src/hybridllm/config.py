@@ -349,11 +349,15 @@ class StructuredOutput:
             raise ConfigError(f"a JSON schema must be a JSON object, got {type(self.json_schema).__name__}")
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How to pick the next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0``
+    ``temperature == 0`` means greedy, and so does any temperature below :data:`GREEDY_BELOW_TEMPERATURE`
+    (vLLM's rule: dividing float32 logits by it would overflow). ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0``
     disable those filters; ``repetition_penalty == 1`` disables the penalty.
 
     ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, in [-2, 2]) lower the logit of every
@@ -423,7 +427,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def resolve_device(device: str) -> str:

@@ -33,7 +33,8 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id in the API (default: the checkpoint's name).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: critical, error, warning, info, debug.")] = "info",
     max_request_bytes: Annotated[str, typer.Option("--max-request-bytes", help="Largest request body accepted, e.g. 8MiB (bigger: 413).")] = "8MiB",
-    shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", help="On SIGTERM: seconds to finish in-flight requests before exiting (new ones get 503).")] = 30.0,
+    shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", help="On SIGTERM: seconds to finish in-flight requests before exiting (new ones get 503); exit code 1 when some did not finish.")] = 30.0,
+    stream_stall_timeout: Annotated[float, typer.Option("--stream-stall-timeout", help="Seconds a stream whose client reads nothing stays paused (its KV kept, out of the batch) before it is closed and its request aborted.")] = 60.0,
     on_ray: Annotated[bool, typer.Option("--ray", help="Run --replicas engine replicas on Ray Serve behind one OpenAI-compatible ingress (pip install 'hybridllm[ray]').")] = False,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="--ray: the cluster to join (auto: the one `ray start` runs here; HEAD:6379); default: start a local one.")] = None,
     replicas: Annotated[int, typer.Option("--replicas", help="--ray: engine replicas, each with its own model, request loop and KV.")] = 1,
@@ -53,6 +54,8 @@ def serve(
         raise ConfigError(f"--max-queue must be >= 0, got {max_queue}")
     if shutdown_grace < 0:
         raise ConfigError(f"--shutdown-grace must be >= 0, got {shutdown_grace}")
+    if not stream_stall_timeout > 0:
+        raise ConfigError(f"--stream-stall-timeout must be > 0 seconds, got {stream_stall_timeout}")
     host_bytes = parse_bytes(host_budget)
     request_bytes = parse_bytes(max_request_bytes)
     if request_bytes is None or request_bytes < 1:
@@ -67,23 +70,25 @@ def serve(
         run_ray_server(llm_kwargs(model, placement, kv, speed, prefix), address=ray_address, replicas=replicas, host=host,
                        port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue, host_budget=host_bytes,
                        served_model_name=served_model_name, max_request_bytes=request_bytes,
-                       shutdown_grace=shutdown_grace)
+                       shutdown_grace=shutdown_grace, stream_stall_timeout=stream_stall_timeout)
         return
     run_server(llm_kwargs(model, placement, kv, speed, prefix), host=host, port=port, api_key=api_key, max_batch=max_batch,
                max_queue=max_queue, host_budget=host_bytes, served_model_name=served_model_name, log_level=log_level,
-               max_request_bytes=request_bytes, shutdown_grace=shutdown_grace)
+               max_request_bytes=request_bytes, shutdown_grace=shutdown_grace, stream_stall_timeout=stream_stall_timeout)
 
 
 def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: str | None, max_batch: int,
                max_queue: int, host_budget: int | None, served_model_name: str | None, log_level: str,
-               max_request_bytes: int, shutdown_grace: float) -> None:
-    """Load the model and serve it until interrupted; SIGTERM drains first, then exits 0.
+               max_request_bytes: int, shutdown_grace: float, stream_stall_timeout: float) -> None:
+    """Load the model and serve it until interrupted; SIGTERM drains first, then exits 0 (1 when
+    the grace period ended requests that had not finished).
 
     Args:
         llm_options: ``LLM`` keyword arguments (:func:`hybridllm.cli.options.llm_kwargs`).
         host_budget: host RAM the KV cache may use, in bytes (None: the RAM available at start).
         max_request_bytes: the largest request body accepted.
         shutdown_grace: seconds SIGTERM waits for in-flight requests.
+        stream_stall_timeout: seconds a paused stream waits for its client to read.
     """
     import psutil
     import uvicorn
@@ -99,8 +104,12 @@ def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: st
     scheduler = Scheduler(llm.runtime, max_batch=max_batch, max_queue=max_queue, host_budget=host_budget,
                           prefix_cache=llm.prefix_cache)
     app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key,
-                     max_request_bytes=max_request_bytes)
+                     max_request_bytes=max_request_bytes, stream_stall_timeout_s=stream_stall_timeout)
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
                f"KV {scheduler.kv_strategy}, {llm.placement.describe(llm.engine_config.device)})", err=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace)
-    GracefulServer(config, app.state.draining, scheduler, grace_s=shutdown_grace).run()
+    server = GracefulServer(config, app.state.draining, scheduler, grace_s=shutdown_grace)
+    server.run()
+    if server.unfinished:
+        typer.echo(f"stopped with {server.unfinished} request(s) unfinished (ended with an error)", err=True)
+        raise typer.Exit(1)

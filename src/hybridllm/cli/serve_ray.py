@@ -35,7 +35,8 @@ def stop_on_signals() -> threading.Event:
 
 def run_ray_server(llm_options: dict[str, Any], *, address: str | None, replicas: int, host: str, port: int,
                    api_key: str | None, max_batch: int, max_queue: int, host_budget: int | None,
-                   served_model_name: str | None, max_request_bytes: int, shutdown_grace: float) -> None:
+                   served_model_name: str | None, max_request_bytes: int, shutdown_grace: float,
+                   stream_stall_timeout: float) -> None:
     """Serve ``replicas`` engines on Ray behind one OpenAI-compatible ingress until SIGTERM/SIGINT.
 
     Args:
@@ -59,7 +60,8 @@ def run_ray_server(llm_options: dict[str, Any], *, address: str | None, replicas
 
         open_checkpoint(llm_options.get("model"))
     server = ServerOptions(max_batch=max_batch, max_queue=max_queue, host_budget=host_budget,
-                           served_model_name=served_model_name, api_key=api_key, max_request_bytes=max_request_bytes)
+                           served_model_name=served_model_name, api_key=api_key, max_request_bytes=max_request_bytes,
+                           stream_stall_timeout_s=stream_stall_timeout)
     on_gpu = str(llm_options.get("device", "cpu")).startswith("cuda")
     app = build_app(llm_options, replicas=replicas, server=server, num_cpus=float(llm_options.get("threads") or 1),
                     num_gpus=1.0 if on_gpu else 0.0, shutdown_grace_s=shutdown_grace)

@@ -5,19 +5,25 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+# How long the thread sleeps after a step that could run nothing (every running request paused by
+# its consumer, the queue's head waiting for their KV) unless the condition wakes it first.
+IDLE_RECHECK_S = 0.05
+
 
 class LoopThread:
     """Runs ``step`` on a daemon thread whenever ``has_work()``; a step that raises is handed to
-    ``on_error`` and the loop goes on (it never dies while serving).
+    ``on_error`` and the loop goes on (it never dies while serving). A step that ran nothing
+    (every running request paused) is followed by a sleep on the condition, at most
+    :data:`IDLE_RECHECK_S`, instead of another step at once.
 
     Args:
-        cond: the loop's condition (notified when work arrives or the loop must stop).
+        cond: the loop's condition (notified when work arrives, changes or the loop must stop).
         has_work: whether anything is queued, running or waiting to be aborted.
-        step: one iteration of the loop.
+        step: one iteration of the loop; returns whether sequences ran.
         on_error: what to do with a step's exception (fail what was running).
     """
 
-    def __init__(self, cond: threading.Condition, has_work: Callable[[], bool], step: Callable[[], None],
+    def __init__(self, cond: threading.Condition, has_work: Callable[[], bool], step: Callable[[], bool],
                  on_error: Callable[[Exception], None]) -> None:
         self.cond = cond
         self.has_work = has_work
@@ -70,6 +76,11 @@ class LoopThread:
                 if self.stopping:
                     return
             try:
-                self.step()
+                ran = self.step()
             except Exception as exc:  # never let the loop die: fail what was running, keep serving
                 self.on_error(exc)
+                continue
+            if not ran:  # nothing could run (only paused requests): sleep until something changes
+                with self.cond:
+                    if not self.stopping:
+                        self.cond.wait(IDLE_RECHECK_S)

@@ -7,7 +7,7 @@ from typing import Any
 
 from hybridllm.config import PrefixCacheConfig
 from hybridllm.kvcache.prefix_cache import DEFAULT_DISK_BUDGET, PrefixCache
-from hybridllm.kvcache.prefix_hash import salt
+from hybridllm.kvcache.prefix_hash import PAGE_TOKENS, salt
 from hybridllm.loading.random_checkpoint import RandomCheckpoint
 
 
@@ -38,6 +38,9 @@ def build_prefix_cache(runtime: Any, config: PrefixCacheConfig) -> PrefixCache |
     if not config.enabled:
         return None
     root = salt(model_identity(runtime.checkpoint), kv_format(runtime))
+    spec = runtime.kv_spec()
+    page_shape = (spec.n_layers, spec.batch_size, spec.n_kv_heads, PAGE_TOKENS, spec.head_dim)  # a KVPage's keys
     return PrefixCache(root, ram_budget=config.ram, disk_dir=config.disk_dir,
                        disk_budget=config.disk_bytes if config.disk_bytes is not None else DEFAULT_DISK_BUDGET,
-                       device_budget=config.vram, device=runtime.engine_config.torch_device)
+                       device_budget=config.vram, device=runtime.engine_config.torch_device,
+                       page_shape=page_shape, page_dtype=spec.dtype)

@@ -144,8 +144,17 @@ def process_logits(logits: torch.Tensor, samplers: Sequence[Sampler]) -> None:
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled row draws from: ``logits`` (..., vocab) over the temperature,
-    then top-k, top-p and min-p (Hugging Face's order), then softmax."""
-    logits = logits / params.temperature
+    then top-k, top-p and min-p (Hugging Face's order), then softmax.
+
+    At float32's edges the division can leave the finite range: a small temperature overflows a
+    logit to +-inf (one the repetition penalty already pushed to the largest float, say), and a
+    huge one (cast to float32: inf) turns a masked -inf into NaN; any of them would make the
+    softmax NaN. So a finite logit stays finite (at the nearest finite value, the order kept) and
+    a masked one stays masked."""
+    finfo = torch.finfo(logits.dtype)
+    masked = torch.isneginf(logits)  # a grammar's mask: stays masked
+    logits = torch.nan_to_num(logits / params.temperature, posinf=finfo.max, neginf=finfo.min)
+    logits = logits.masked_fill(masked, float("-inf"))
     if params.top_k > 0:
         logits = top_k_filter(logits, params.top_k)
     if params.top_p < 1.0:
@@ -178,9 +187,16 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """CTRL-style penalty: the positive logits of tokens seen (``seen`` > 0, counts of the same
-    shape) are divided by ``penalty``, the negative ones multiplied."""
+    shape) are divided by ``penalty``, the negative ones multiplied.
+
+    At float32's edges (a penalty that rounds to 0 or overflows to inf) a finite logit stays
+    finite, at the nearest finite value, and 0 stays 0 (0 x inf would be NaN): a seen token is
+    pushed as far as floats go but never masked, so a grammar whose allowed tokens were all seen
+    still has one to pick. A masked token (-inf) stays masked."""
+    finfo = torch.finfo(logits.dtype)
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen > 0, penalized, logits)
+    penalized = torch.nan_to_num(penalized, nan=0.0, posinf=finfo.max, neginf=finfo.min)
+    return torch.where((seen > 0) & torch.isfinite(logits), penalized, logits)
 
 
 def apply_presence_frequency_penalty(logits: torch.Tensor, generated: torch.Tensor, presence: float,
@@ -199,10 +215,13 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens of each row whose probability mass reaches ``top_p``."""
+    """Keep the smallest set of most likely tokens of each row whose probability mass reaches
+    ``top_p`` (at least the most likely one, however small ``top_p``: a float32 comparison rounds
+    a subnormal ``top_p`` to 0)."""
     sorted_logits, order = torch.sort(logits, descending=True)
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this token
+    remove_sorted[..., 0] = False
     remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
     return logits.masked_fill(remove, float("-inf"))
 

@@ -12,6 +12,10 @@ the server runs the loop on its own thread). A step is plan -> execute -> proces
    prefix cache is asked right before a sequence's first chunk;
 2. execute (:mod:`hybridllm.engine.executor`): one forward per runner, each row as alone;
 3. process (:mod:`hybridllm.engine.output_processor`): tokens, stop rules, events, metrics.
+
+A consumer that cannot keep up (a client that stops reading its stream) may :meth:`~Scheduler.pause`
+its request: its sequences leave the batch (no row in a plan, no batch slot) but keep their KV
+until :meth:`~Scheduler.resume` (:mod:`hybridllm.engine.pausing`).
 """
 
 from __future__ import annotations
@@ -31,20 +35,25 @@ from hybridllm.engine.loop_thread import LoopThread
 from hybridllm.engine.observer import SchedulerObserver
 from hybridllm.engine.output import check_prompt
 from hybridllm.engine.output_processor import OutputProcessor
+from hybridllm.engine.pausing import PausedRequests
 from hybridllm.engine.policies import LoopPolicies
 from hybridllm.engine.sequence import SeqEvent, SequenceKV, SequenceState
 from hybridllm.engine.step_plan import ScheduledRow, StepPlan
 from hybridllm.engine.structured import GrammarCompiler
-from hybridllm.errors import ConfigError
+from hybridllm.errors import ConfigError, HybridLLMError
 from hybridllm.kvcache.base import TIERS, MemoryLedger
 from hybridllm.kvcache.prefix_cache import PrefixCache
 
-__all__ = ["IDLE_PREFILL_CHUNKS", "AdmissionError", "QueueFullError", "Scheduler", "SchedulerObserver", "SeqEvent",
-           "SequenceState", "admission_decision", "kv_bytes_needed"]
+__all__ = ["IDLE_PREFILL_CHUNKS", "AdmissionError", "QueueFullError", "RequestLoopStopped", "Scheduler",
+           "SchedulerObserver", "SeqEvent", "SequenceState", "admission_decision", "kv_bytes_needed"]
 
 # Prompt tokens a step may prefill, in chunks, while no sequence is decoding: a burst of requests starts with its
 # prompts prefilled in fewer, larger forwards (the chunks stay ``prefill_chunk`` long: no forward changes).
 IDLE_PREFILL_CHUNKS = 4
+
+
+class RequestLoopStopped(HybridLLMError):
+    """The request loop stopped (the server is shutting down) before the request finished."""
 
 
 class Scheduler:
@@ -81,9 +90,10 @@ class Scheduler:
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._running: list[SequenceState] = []
         self._abort_ids: set[str] = set()
+        self._paused = PausedRequests()  # requests whose consumer is not keeping up
         self._reserved = 0  # KV bytes promised to running sequences
         self._loop = LoopThread(self._cond, self.has_work, self.step,  # a failed step fails what was running
-                                lambda exc: self.processor.fail_all(list(self._running), exc, "internal error"))
+                                lambda exc: self.processor.fail_all(list(self._running), exc, "the step failed"))
         self.policies = LoopPolicies(runtime, self.ledger, self.adaptive, prefix_cache)
         self.executor = Executor(self.policies)
         self.decode_batch_sizes = self.executor.decode_batch_sizes  # forwards per number of decode rows
@@ -142,6 +152,20 @@ class Scheduler:
             self._abort_ids.add(request_id)
             self._cond.notify()
 
+    def pause(self, request_id: str) -> None:
+        """Take a running request out of the batch from the next step on: its sequences get no
+        row in a plan and leave their batch slots to others, but keep their KV until
+        :meth:`resume` (or :meth:`abort`). For a consumer that cannot take more events (a client
+        that stopped reading); safe from any thread, a sink included."""
+        with self._cond:
+            self._paused.pause(request_id)
+
+    def resume(self, request_id: str) -> None:
+        """Let a paused request rejoin the batch (as soon as it has room for it)."""
+        with self._cond:
+            self._paused.resume(request_id)
+            self._cond.notify()
+
     def check_prompt(self, prompt: list[int]) -> None:
         """The prompt rules: non-empty, shorter than the context, ids in the vocabulary."""
         check_prompt(prompt, self.context_length, self.vocab_size, self.runtime.context_description)
@@ -155,8 +179,9 @@ class Scheduler:
         self._loop.stop(timeout)
         with self._cond:
             waiting, self._waiting = list(self._waiting), collections.deque()
+        stopped = RequestLoopStopped("the server is shutting down")
         for seq in waiting + self._running:
-            self.processor.finish_error(seq, None, "the server is shutting down")
+            self.processor.finish_error(seq, stopped, str(stopped))
         self._loop.stopped()
 
     @property
@@ -165,7 +190,14 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Sequences in the batch (prefilling or decoding; paused ones not counted)."""
+        running = list(self._running)
+        return len(running) - self._paused.count(running)
+
+    @property
+    def num_paused(self) -> int:
+        """Sequences paused by their consumer (their KV kept)."""
+        return self._paused.count(list(self._running))
 
     @property
     def num_waiting(self) -> int:
@@ -190,8 +222,9 @@ class Scheduler:
         bus = {**self.policies.bus_bytes(running), "hidden_states": self.executor.hop_bytes}
         page_bytes = self.page_size * self.token_bytes
         kv_bytes = {tier: self.ledger.current(tier) for tier in TIERS}
+        paused = self._paused.count(running)
         return {
-            "running": len(running), "waiting": len(self._waiting), "kv_bytes": kv_bytes,
+            "running": len(running) - paused, "paused": paused, "waiting": len(self._waiting), "kv_bytes": kv_bytes,
             "kv_budget_bytes": {tier: self.ledger.budget(tier) for tier in TIERS},
             "kv_pages": {tier: -(-n // page_bytes) for tier, n in kv_bytes.items()},
             "kv_reserved_bytes": self._reserved, "kv_capacity_bytes": self.capacity, "bus_bytes": bus,
@@ -204,18 +237,23 @@ class Scheduler:
         return bool(self._waiting or self._running or self._abort_ids)
 
     def run_until_idle(self, max_steps: int | None = None) -> int:
-        """Run steps on the calling thread until nothing is queued or running (tests, tools)."""
+        """Run steps on the calling thread until nothing is queued or running (tests, tools; a
+        paused request counts as running: resume or abort it first)."""
         return self._loop.run_until_idle(max_steps)
 
-    def step(self) -> None:
-        """One iteration: aborts, admission, then plan -> execute -> process."""
+    def step(self) -> bool:
+        """One iteration: aborts, resumes, admission, then plan -> execute -> process. Returns
+        whether sequences ran (False: nothing to run, or every running request paused)."""
         self._apply_aborts()
+        with self._cond:
+            self._paused.settle(self._running, self.max_batch)
         self._admit()
-        if not self._running:
-            return
+        if not self._batch():
+            return False
         plan = self.schedule()
         self.processor.process(plan, self.executor.execute(plan))
         self.observer.on_step(plan.decode_rows, plan.prefill_tokens)
+        return True
 
     def _apply_aborts(self) -> None:
         with self._cond:
@@ -225,10 +263,15 @@ class Scheduler:
             self._release(seq)
             self.observer.on_finished(seq)
 
+    def _batch(self) -> list[SequenceState]:
+        """The running sequences that are not paused: what a plan and the batch size see."""
+        with self._cond:
+            return self._paused.in_batch(self._running)
+
     def _admit(self) -> None:
         while True:
             with self._cond:
-                if not self._waiting or len(self._running) + self._waiting[0].params.n > self.max_batch:
+                if not self._waiting or len(self._batch()) + self._waiting[0].params.n > self.max_batch:
                     return
                 seq = self._waiting[0]
                 if admission_decision(seq.kv_bytes, self._reserved, self.capacity) != "admit":
@@ -261,11 +304,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """This step's rows: every decoding sequence's pending tokens, then prefill chunks of new
         sequences within the step's prompt-token budget."""
-        plan = StepPlan([ScheduledRow(seq, list(seq.pending)) for seq in self._running if seq.pending])
+        batch = self._batch()
+        plan = StepPlan([ScheduledRow(seq, list(seq.pending)) for seq in batch if seq.pending])
         budget = self.prefill_chunk * (1 if plan.rows else IDLE_PREFILL_CHUNKS)
         used = 0
         in_flight: set[bytes] = set()  # first pages being prefilled (not cached yet) in this step
-        for seq in [s for s in self._running if s.in_prefill]:
+        for seq in [s for s in batch if s.in_prefill]:
             first_page = self.policies.first_page(seq)
             if first_page in in_flight:
                 continue

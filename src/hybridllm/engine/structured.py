@@ -17,6 +17,7 @@ wander into endless blank lines, and the layout is the one models have seen most
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import Any
 
@@ -28,13 +29,27 @@ from hybridllm.errors import HybridLLMError
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarMatcher"]
 
+logger = logging.getLogger(__name__)
+
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32*word + i
 
 
 class GrammarError(HybridLLMError):
     """A constraint that cannot be compiled (an invalid or unsupported JSON schema), or a grammar
-    that reached a dead end while generating."""
+    that reached a dead end while generating. Its message is one short line: the grammar
+    engine's own report (its parser state, the grammar) goes to the debug log only."""
+
+
+MAX_REASON_CHARS = 160
+DEAD_END = ("the output cannot follow the JSON schema: no token can continue it (is the schema satisfiable? "
+            "a required property that refers to its own object never ends)")
+
+
+def short_reason(report: str | None) -> str:
+    """The first line of the grammar engine's report, cut to :data:`MAX_REASON_CHARS` characters."""
+    line = next((line.strip() for line in (report or "").splitlines() if line.strip()), "unknown reason")
+    return line if len(line) <= MAX_REASON_CHARS else line[:MAX_REASON_CHARS - 3] + "..."
 
 
 class GrammarMatcher:
@@ -56,7 +71,8 @@ class GrammarMatcher:
             GrammarError: If the grammar is in an error state (no token can continue it).
         """
         if self._matcher.is_error():
-            raise GrammarError(f"structured output failed: {self._matcher.get_error()}")
+            logger.debug("structured output: %s", self._matcher.get_error())
+            raise GrammarError(DEAD_END)
         words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)  # (ceil(V/32),)
         bits = (words.unsqueeze(1) >> _BIT_SHIFTS) & 1  # (ceil(V/32), 32)
         return bits.reshape(-1)[: self.vocab_size].bool()  # (vocab,)
@@ -74,7 +90,8 @@ class GrammarMatcher:
             GrammarError: If the grammar does not accept ``token``.
         """
         if not self._matcher.consume_token(token):
-            raise GrammarError(f"structured output failed at token {token}: {self._matcher.get_error()}")
+            logger.debug("structured output at token %d: %s", token, self._matcher.get_error())
+            raise GrammarError(DEAD_END)
         return self._matcher.is_stopped()
 
     def rollback(self, n: int) -> None:
@@ -133,15 +150,22 @@ class GrammarCompiler:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json_schema), defaults=JSON_LAYOUT)
         except (ValueError, TypeError) as exc:
-            raise GrammarError(f"invalid JSON schema: {exc}") from None
+            raise GrammarError(f"invalid JSON schema: {short_reason(str(exc))}") from None
 
     def matcher(self, spec: StructuredOutput) -> GrammarMatcher:
         """A fresh matcher of ``spec`` for one sequence.
 
         Raises:
-            GrammarError: If the schema is invalid or uses what the grammar engine does not support.
+            GrammarError: If the schema is invalid, uses what the grammar engine does not support,
+                or forces an output that never ends (the tokens it forces from the start are
+                followed on a copy of the matcher).
         """
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), self.grammar(spec), log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid JSON schema: {matcher.get_error()}")
+            raise GrammarError(f"invalid JSON schema: {short_reason(matcher.get_error())}")
+        probe = matcher.deep_copy()
+        forced = probe.compute_ff_tokens()
+        if probe.is_error() or (forced and not probe.consume_tokens(forced)) or probe.is_error():
+            logger.debug("structured output: the schema's forced start fails: %s", probe.get_error())
+            raise GrammarError(DEAD_END)
         return GrammarMatcher(matcher, self.vocab_size)

@@ -93,17 +93,21 @@ class PrefixCache:
         page_tokens: tokens per page.
         device_budget: bytes of pages held on the compute device (the hot tier; 0: none).
         device: the compute device.
+        page_shape: the (n_layers, B, Hkv, P, D) of a page of this model (None: pages read from
+            disk are not checked against it).
+        page_dtype: the dtype pages are held in (None: not checked).
     """
 
     def __init__(self, root: bytes, ram_budget: int, disk_dir: str | Path | None = None,
                  disk_budget: int = DEFAULT_DISK_BUDGET, page_tokens: int = PAGE_TOKENS,
-                 device_budget: int = 0, device: torch.device | str = "cpu") -> None:
+                 device_budget: int = 0, device: torch.device | str = "cpu",
+                 page_shape: tuple[int, ...] | None = None, page_dtype: torch.dtype | None = None) -> None:
         if min(ram_budget, disk_budget, device_budget) < 0:
             raise ValueError("prefix cache budgets must be >= 0")
         self.root = root
         self.ram_budget = ram_budget
         self.page_tokens = page_tokens
-        self.disk = DiskTier(disk_dir, disk_budget, root) if disk_dir is not None else None
+        self.disk = DiskTier(disk_dir, disk_budget, root, page_shape, page_dtype) if disk_dir is not None else None
         self.stats = PrefixStats()
         # the memory tiers, hottest first: a page pushed out of one moves to the next
         self._tiers = {"device": MemoryTier(torch.device(device), device_budget),

@@ -2,11 +2,14 @@
 
 A file is ``<address hex>.kvpage``: the magic ``HLKVPAGE``, a little-endian u32 header length, a
 JSON header (format version, the chain root its address was computed under, dtype, shape, payload
-bytes, the payload's BLAKE2b checksum), then the payload (keys then values, row-major). A file that
-is corrupt, truncated, of another model or KV format, or of another version is never loaded: it is
-removed with a one-line warning. Writes go to a temporary file renamed over the target, so a crash
-never leaves half a page under a real name. The directory is the index: a restarted process
-finds the pages again by scanning it.
+bytes, and a BLAKE2b checksum of the rest of the header and the payload together), then the
+payload (keys then values, row-major). The header is also checked against the page this model's
+cache expects (its shape and dtype, when the tier is told them). A file that fails any check
+(corrupt, truncated, a header edited even into valid JSON, another model or KV format, another
+version) is never loaded: it is removed with a one-line warning and its page is computed again;
+nothing read from disk raises past :meth:`DiskTier.get`. Writes go to a temporary file renamed
+over the target, so a crash never leaves half a page under a real name. The directory is the
+index: a restarted process finds the pages again by scanning it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,16 @@ from hybridllm.kvcache.prefix_page import KVPage
 logger = logging.getLogger(__name__)
 
 MAGIC = b"HLKVPAGE"
-VERSION = 1
+VERSION = 2  # 2: the checksum covers the header too
 SUFFIX = ".kvpage"
 _HEADER_LENGTH = struct.Struct("<I")
 _MAX_HEADER = 1 << 16
+
+
+def checksum(fields: dict[str, object], payload: bytes) -> str:
+    """BLAKE2b of the header's fields (canonical JSON: keys sorted) followed by the payload."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canonical + payload, digest_size=16).hexdigest()
 
 
 class DiskTier:
@@ -40,15 +49,20 @@ class DiskTier:
         directory: where the page files live (created if missing).
         budget: bytes of page files allowed.
         root: the chain root of this model and KV format (a file made under another is foreign).
+        page_shape: the (n_layers, B, Hkv, P, D) of this model's pages (None: not checked).
+        page_dtype: their dtype (None: not checked).
 
     A directory that cannot be created or written turns the tier off with a warning
     (:attr:`enabled` False); the engine still answers, without the disk tier.
     """
 
-    def __init__(self, directory: str | os.PathLike, budget: int, root: bytes) -> None:
+    def __init__(self, directory: str | os.PathLike, budget: int, root: bytes,
+                 page_shape: tuple[int, ...] | None = None, page_dtype: torch.dtype | None = None) -> None:
         self.directory = Path(directory)
         self.budget = budget
         self.root = root
+        self.page_shape = page_shape
+        self.page_dtype = page_dtype
         self.enabled = True
         self._files: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # address -> bytes, LRU first
         self._warned_full = False
@@ -77,18 +91,20 @@ class DiskTier:
         return address in self._files
 
     def get(self, address: bytes) -> KVPage | None:
-        """The page at ``address``, or None (absent, or unreadable: then removed with a warning)."""
+        """The page at ``address``, or None (absent, or unreadable: then removed with one warning).
+        Never raises: whatever is wrong with the file, the page is computed again."""
         if address not in self._files:
             return None
         path = self._path(address)
         try:
             page = self._read(path)
-        except (OSError, ValueError) as exc:
-            logger.warning("prefix cache: ignoring and removing %s: %s", path.name, exc)
+            os.utime(path)  # recency survives a restart
+        except Exception as exc:  # a bad file must cost a recomputation, never a request
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            logger.warning("prefix cache: ignoring and removing %s: %s", path.name, reason)
             self._remove(address)
             return None
         self._files.move_to_end(address)
-        os.utime(path)  # recency survives a restart
         return page
 
     def put(self, address: bytes, page: KVPage) -> bool:
@@ -96,9 +112,9 @@ class DiskTier:
         if not self.enabled or address in self._files:
             return self.enabled
         payload = page.payload()
-        header = json.dumps({"version": VERSION, "root": self.root.hex(), "dtype": str(page.keys.dtype).removeprefix("torch."),
-                             "shape": list(page.keys.shape), "payload_bytes": len(payload),
-                             "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
+        fields = {"version": VERSION, "root": self.root.hex(), "dtype": str(page.keys.dtype).removeprefix("torch."),
+                  "shape": list(page.keys.shape), "payload_bytes": len(payload)}
+        header = json.dumps({**fields, "checksum": checksum(fields, payload)}).encode()
         blob = MAGIC + _HEADER_LENGTH.pack(len(header)) + header + payload
         if len(blob) > self.budget:
             self._warn_full(f"a page of {len(blob)} bytes is larger than the disk budget ({self.budget} bytes)")
@@ -155,25 +171,38 @@ class DiskTier:
             raise ValueError("truncated header")
         try:
             header = json.loads(body[_HEADER_LENGTH.size:_HEADER_LENGTH.size + header_length])
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"corrupt header ({exc.msg})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"corrupt header ({exc})") from None
+        if not isinstance(header, dict):
+            raise ValueError("corrupt header (not a JSON object)")
         if header.get("version") != VERSION:
             raise ValueError(f"format version {header.get('version')}, this engine reads {VERSION}")
         if header.get("root") != self.root.hex():
             raise ValueError("written for another model or KV format")
         payload = body[_HEADER_LENGTH.size + header_length:]
-        if len(payload) != header["payload_bytes"]:
-            raise ValueError(f"truncated: {len(payload)} of {header['payload_bytes']} payload bytes")
-        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["checksum"]:
-            raise ValueError("checksum mismatch")
-        dtype = getattr(torch, header["dtype"], None)
+        if len(payload) != header.get("payload_bytes"):
+            raise ValueError(f"truncated: {len(payload)} of {header.get('payload_bytes')} payload bytes")
+        fields = {key: value for key, value in header.items() if key != "checksum"}
+        if header.get("checksum") != checksum(fields, payload):
+            raise ValueError("checksum mismatch (header or payload)")
+        shape, dtype_name = header.get("shape"), header.get("dtype")
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+            raise ValueError(f"bad shape {shape!r}")
+        dtype = getattr(torch, dtype_name, None) if isinstance(dtype_name, str) else None
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {header['dtype']!r}")
-        return KVPage.from_payload(payload, dtype, tuple(header["shape"]))
+            raise ValueError(f"unknown dtype {dtype_name!r}")
+        if self.page_shape is not None and tuple(shape) != tuple(self.page_shape):
+            raise ValueError(f"shape {shape}, this model's pages are {list(self.page_shape)}")
+        if self.page_dtype is not None and dtype != self.page_dtype:
+            raise ValueError(f"dtype {dtype_name}, this model's pages are {self.page_dtype}")
+        return KVPage.from_payload(payload, dtype, tuple(shape))
 
     def _remove(self, address: bytes) -> None:
         self._files.pop(address, None)
-        self._path(address).unlink(missing_ok=True)
+        try:
+            self._path(address).unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("prefix cache: could not remove %s: %s", self._path(address).name, exc.strerror or exc)
 
     def _warn_full(self, message: str) -> None:
         if not self._warned_full:

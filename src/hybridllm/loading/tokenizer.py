@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -636,6 +637,15 @@ class Tokenizer:
     def add_bos_token(self) -> bool:
         """Whether ``encode(..., add_special_tokens=True)`` prepends the BOS token."""
         return self._add_bos
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest spelling of a token in UTF-8 bytes: no token stands for more bytes of text
+        (a byte-level token spells each byte with one character, a SentencePiece token spells a
+        space with the 3-byte "▁", a byte-fallback token one byte with "<0xAB>"), so a text of B
+        bytes has at least B / max_token_bytes tokens, known without encoding it."""
+        return max((len(token.encode("utf-8")) for token in self._backend.get_vocab(with_added_tokens=True)),
+                   default=1)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token, written as the vocabulary spells it (``"Ġthe"``, ``"▁the"``), or None."""

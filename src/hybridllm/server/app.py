@@ -11,12 +11,16 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE 
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize`` and ``POST /detokenize``
 (llama.cpp's shapes), ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus),
 ``GET /stats`` (JSON, the page's data), the page at ``/``, and the OpenAPI schema at
-``/openapi.json`` (``/docs`` renders it). Errors are OpenAI error objects. When an API key is
+``/openapi.json`` (``/docs`` renders it). Errors are OpenAI error objects: every input error a
+4xx with a short message, 500 only for a fault (logged once with its traceback:
+:mod:`hybridllm.server.internal_errors`), every 503 with ``Retry-After``. When an API key is
 set, every ``/v1`` route and the tokenizer routes need ``Authorization: Bearer <key>``. Every
 completion and stream chunk carries the ``system_fingerprint`` of the build
 (:mod:`hybridllm.server.fingerprint`). Request bodies over ``max_request_bytes`` get 413; OpenAI
 fields the server does not implement get 400 (:mod:`hybridllm.server.unsupported`); while the
-server drains for shutdown, new requests get 503 (:mod:`hybridllm.server.shutdown`).
+server drains for shutdown, new requests get 503 (:mod:`hybridllm.server.shutdown`). A client
+that disconnects aborts its request at once; one that stops reading its stream pauses it, and is
+given up on after ``stream_stall_timeout_s`` (:mod:`hybridllm.server.backpressure`).
 
 This module wires the app: the :class:`~hybridllm.server.context.ServerContext` its routes share
 (the engine's read-only :class:`~hybridllm.server.engine_view.EngineView` included), the
@@ -25,7 +29,6 @@ middlewares, the error handlers, and the routers of :mod:`hybridllm.server.route
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,17 +44,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybridllm import __version__
 from hybridllm.engine.scheduler import Scheduler
 from hybridllm.loading.local_models import model_name as checkpoint_model_name
+from hybridllm.server.backpressure import DEFAULT_STREAM_STALL_TIMEOUT_S
 from hybridllm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from hybridllm.server.context import ServerContext
 from hybridllm.server.engine_view import EngineView
 from hybridllm.server.fingerprint import system_fingerprint
+from hybridllm.server.internal_errors import InternalErrors
 from hybridllm.server.metrics import ServerMetrics
-from hybridllm.server.protocol import APIError, error_body
+from hybridllm.server.protocol import INVALID_UNICODE, APIError, error_body
 from hybridllm.server.routes import ROUTERS
 from hybridllm.server.shutdown import Draining, RefuseWhileDraining
 from hybridllm.server.stats import ServerStats
-
-logger = logging.getLogger(__name__)
 
 
 def default_model_name(llm: Any) -> str:
@@ -82,6 +85,7 @@ def create_app(
     api_key: str | None = None,
     manage_scheduler: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
 ) -> FastAPI:
     """Build the app around ``llm`` (an ``LLM``: tokenizer, chat template) and its request loop.
 
@@ -93,6 +97,8 @@ def create_app(
         api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
         manage_scheduler: start the scheduler's loop with the app and stop it at shutdown.
         max_request_bytes: the largest request body accepted (bigger: 413).
+        stream_stall_timeout_s: how long a stream whose client reads nothing stays paused before
+            it is closed and its request aborted.
 
     The app's state holds ``context`` (the :class:`ServerContext` every route reads) and, for
     the callers outside, ``scheduler``, ``metrics``, ``stats``, ``model_name`` and ``draining``
@@ -107,7 +113,7 @@ def create_app(
                             stats=ServerStats(view, metrics, served), model_name=served,
                             aliases=model_aliases(llm, served), api_key=api_key,
                             fingerprint=system_fingerprint(scheduler.runtime), created=int(time.time()),
-                            draining=Draining())
+                            draining=Draining(), stream_stall_timeout_s=stream_stall_timeout_s)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -131,6 +137,7 @@ def create_app(
     app.state.stats = context.stats
     app.state.model_name = served
     app.state.draining = context.draining
+    app.add_middleware(InternalErrors)  # innermost: just outside the routes' exception handlers
     app.add_middleware(RefuseWhileDraining, draining=context.draining,
                        on_refused=lambda: metrics.on_rejected("shutting_down"))
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes,
@@ -142,7 +149,9 @@ def create_app(
 
 
 def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    """Every error as an OpenAI error object; refusals counted in ``request_rejected_total``."""
+    """Every error as an OpenAI error object; refusals counted in ``request_rejected_total``.
+    Faults are :class:`~hybridllm.server.internal_errors.InternalErrors`' (not a handler here:
+    Starlette re-raises what its 500 handler answered, so uvicorn would log it twice)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
@@ -163,11 +172,6 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {exc}", type="server_error"), status_code=500)
-
 
 def validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
     """FastAPI's validation errors as one OpenAI error object naming the first field at fault."""
@@ -175,7 +179,9 @@ def validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
     first = errors[0] if errors else {}
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
+    if first.get("type") == INVALID_UNICODE:
+        message, param = first.get("msg", "invalid Unicode text"), first.get("ctx", {}).get("path")
+    elif first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
         param = None
     elif first.get("type") == "missing":

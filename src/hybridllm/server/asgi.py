@@ -6,10 +6,14 @@ import json
 from typing import Any
 
 
-async def send_error(send: Any, status: int, body: dict[str, Any]) -> None:
-    """Answer an HTTP request with ``status`` and the JSON ``body``, closing the connection."""
+async def send_error(send: Any, status: int, body: dict[str, Any], headers: dict[str, str] | None = None,
+                     close: bool = True) -> None:
+    """Answer an HTTP request with ``status`` and the JSON ``body`` (and ``headers``), closing
+    the connection unless ``close`` is False."""
     payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                            (b"connection", b"close")]})
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    raw += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in (headers or {}).items()]
+    if close:
+        raw.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": payload})

@@ -39,6 +39,7 @@ class ServerContext:
         fingerprint: the build's ``system_fingerprint``.
         created: when the app was built (Unix seconds; the model card's ``created``).
         draining: the switch SIGTERM turns on.
+        stream_stall_timeout_s: how long a paused stream waits for its client to read.
         token_text: each token id's text and bytes (log-probabilities), from the tokenizer.
     """
 
@@ -53,6 +54,7 @@ class ServerContext:
     fingerprint: str
     created: int
     draining: Draining
+    stream_stall_timeout_s: float
     token_text: TokenText = field(init=False)
 
     def __post_init__(self) -> None:

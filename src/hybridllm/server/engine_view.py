@@ -85,6 +85,7 @@ class EngineState:
 
     Attributes:
         running: sequences prefilling or decoding.
+        paused: sequences paused because their client does not read (their KV kept).
         waiting: requests in the queue.
         kv_bytes: KV bytes held per tier (the ledger).
         kv_pages: KV pages held per tier (bytes over the page's bytes, rounded up).
@@ -97,6 +98,7 @@ class EngineState:
     """
 
     running: int
+    paused: int
     waiting: int
     kv_bytes: dict[str, int]
     kv_pages: dict[str, int]
@@ -126,7 +128,7 @@ class EngineView:
             prefill_chunk=scheduler.prefill_chunk, decode_on=placement.decode_on,
             layer_tiers=tuple(placement.layer_tiers), embed_tier=placement.embed_tier,
             head_tier=placement.head_tier)
-        self.kv_holdable_bytes = self._holdable_kv_bytes()
+        self.kv_holdable_bytes = self._holdable_kv_bytes()  # at start: memory the KV can have
 
     @property
     def is_running(self) -> bool:
@@ -153,7 +155,7 @@ class EngineView:
                                      pages=prefix.pages_per_tier(), bytes=prefix.bytes_per_tier(),
                                      budgets=prefix.budget_per_tier())
         return EngineState(
-            running=stats["running"], waiting=stats["waiting"], kv_bytes=stats["kv_bytes"],
+            running=stats["running"], paused=stats["paused"], waiting=stats["waiting"], kv_bytes=stats["kv_bytes"],
             kv_pages=stats["kv_pages"], kv_budget_bytes=stats["kv_budget_bytes"],
             kv_reserved_bytes=stats["kv_reserved_bytes"], bus_bytes=stats["bus_bytes"],
             weight_bytes=dict(s.runtime.weight_bytes), prefix_cache=usage, sequences=s.kv_layout())
@@ -167,24 +169,28 @@ class EngineView:
         return {"device": torch.cuda.mem_get_info(device)[1] if on_gpu else ram, "host": ram}
 
     def _holdable_kv_bytes(self) -> int:
-        """KV bytes the engine can hold: its admission capacity, or when a tier it counts is
-        unbounded, that tier's free memory now (the device's free memory on a GPU, the host RAM
-        available otherwise; a CPU "device" and the host share that RAM, counted once)."""
+        """KV bytes the engine can hold, counting each memory once.
+
+        The tiers admission counts live in two memories: a GPU's (the device tier on CUDA) and
+        the host RAM (the host tier, and the device tier too when the CPU plays the device). A
+        memory holds the sum of its tiers' budgets, but no more than it has: its free memory now
+        plus the KV it already holds (what an unbounded tier may grow into). Budgets above the
+        machine's RAM (a host budget set to the RAM available at start, beside an unbounded CPU
+        "device" tier) are so counted once, not twice.
+        """
         s = self._scheduler
         stats = s.stats()
-        if stats["kv_capacity_bytes"] is not None:
-            return stats["kv_capacity_bytes"]
-        total = 0
-        host_ram_counted = False
+        budgets, held = stats["kv_budget_bytes"], stats["kv_bytes"]
+        on_gpu = s.device.type == "cuda"
+        memories: dict[str, list[str]] = {}
         for tier in s.kv_tiers:
-            budget = stats["kv_budget_bytes"][tier]
-            if budget is not None:
-                total += budget
-            elif tier == "device" and s.device.type == "cuda":
-                total += torch.cuda.mem_get_info(s.device)[0]
-            elif not host_ram_counted:
-                total += psutil.virtual_memory().available
-                host_ram_counted = True
+            memories.setdefault("gpu" if tier == "device" and on_gpu else "ram", []).append(tier)
+        total = 0
+        for memory, tiers in memories.items():
+            free = torch.cuda.mem_get_info(s.device)[0] if memory == "gpu" else psutil.virtual_memory().available
+            has = free + sum(held[tier] for tier in tiers)
+            tier_budgets = [budgets[tier] for tier in tiers]
+            total += has if None in tier_budgets else min(has, sum(tier_budgets))
         return total
 
 

@@ -8,10 +8,11 @@ counter are read from the engine's read-only view (:class:`~hybridllm.server.eng
 when /metrics is scraped. Monotonic totals are counters
 (their names end in ``_total``), so ``rate()`` works on them.
 
-``kv_cache_usage_perc`` is the reserved KV over what the engine can hold: the admission
-capacity when every tier it counts has a budget, else (a tier unbounded) the budgets that are
-set plus the memory that was free at start in the unbounded tiers
-(:attr:`~hybridllm.server.engine_view.EngineView.kv_holdable_bytes`).
+``kv_cache_usage_perc`` is the reserved KV over what the engine can hold
+(:attr:`~hybridllm.server.engine_view.EngineView.kv_holdable_bytes`): per memory (a GPU's; the
+host RAM, which the host tier and a CPU "device" tier share and which is counted once) the sum
+of its tiers' budgets, but no more than that memory had at start (the whole of it for an
+unbounded tier).
 
 docs/grafana-dashboard.json plots these names; tests check that every query in it resolves.
 """
@@ -96,6 +97,12 @@ class ServerMetrics(SchedulerObserver):
             self.request_success.labels(model_name, reason)
         for reason in ("queue_full", "kv_budget", "invalid", "unauthorized", "request_too_large", "shutting_down"):
             self.rejected.labels(model_name, reason)
+        self.stream_pauses = Counter(
+            f"{PREFIX}stream_pauses", "Times a stream's request was paused because its client fell behind (its send "
+            "buffer full).", labels, registry=reg).labels(model_name)
+        self.stream_stalls = Counter(
+            f"{PREFIX}stream_stalls", "Streams closed (their requests aborted) because the client read nothing for "
+            "--stream-stall-timeout seconds.", labels, registry=reg).labels(model_name)
         self.adaptive_actions = Counter(
             f"{PREFIX}adaptive_actions", "Re-planning actions taken while requests ran (--kv-adaptive), by kind.",
             ["model_name", "action"], registry=reg)
@@ -137,6 +144,14 @@ class ServerMetrics(SchedulerObserver):
 
     def on_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
+
+    def on_stream_paused(self) -> None:
+        """A stream's client fell behind: its request is paused (loop thread)."""
+        self.stream_pauses.inc()
+
+    def on_stream_stalled(self) -> None:
+        """A stream's client read nothing for the stall timeout: its request is aborted."""
+        self.stream_stalls.inc()
 
     # ---- exposition ----------------------------------------------------------------------
     def render(self) -> bytes:
@@ -180,6 +195,10 @@ class _EngineCollector(Collector):
         g = gauge("num_requests_waiting", "Requests in the queue.")
         g.add_metric([name], state.waiting)
         yield g
+        g = gauge("num_requests_paused", "Sequences paused because their client stopped reading (KV kept, out of "
+                  "the batch).")
+        g.add_metric([name], state.paused)
+        yield g
         g = gauge("kv_cache_bytes", "KV cache bytes held, per tier (the ledger).", ["tier"])
         for tier, n in state.kv_bytes.items():
             g.add_metric([name, tier], n)
@@ -196,8 +215,8 @@ class _EngineCollector(Collector):
         g = gauge("kv_cache_reserved_bytes", "KV bytes promised to running requests (prompt + max_tokens).")
         g.add_metric([name], state.kv_reserved_bytes)
         yield g
-        g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of what the engine can hold (the admission "
-                  "capacity, or the free memory at start of an unbounded tier).")
+        g = gauge("kv_cache_usage_perc", "Reserved KV as a fraction of what the engine can hold (per memory, "
+                  "counted once: its tiers' budgets, at most what it had at start).")
         g.add_metric([name], state.kv_reserved_bytes / holdable if holdable else 0.0)
         yield g
         g = gauge("kv_cache_holdable_bytes", "The denominator of kv_cache_usage_perc.")

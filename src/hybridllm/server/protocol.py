@@ -1,10 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API, and its error objects.
 
-Requests are validated strictly (a string where a number belongs is an error, not coerced).
-Fields the models do not declare land in ``model_extra``: OpenAI fields this server does not
-implement are refused there with a 400 naming them (the table in
-:mod:`hybridllm.server.unsupported`); any other key, not OpenAI's at all, is ignored (clients
-and SDKs send their own extras). Beyond OpenAI's fields, a few of vLLM's sampling extras are
+Requests are validated strictly (a string where a number belongs is an error, not coerced), and
+text must be valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"`` anywhere in a body is a
+400 naming where). Fields the models do not declare land in ``model_extra``: OpenAI fields this
+server does not implement are refused there with a 400 naming them (the table in
+:mod:`hybridllm.server.unsupported`); any other key, not OpenAI's at all, is served without it
+(clients and SDKs send their own extras) and named in the log once per request, as vLLM does
+(:func:`ignored_fields` lists them, nested ones included). Beyond OpenAI's fields, a few of vLLM's sampling extras are
 accepted (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``; pass them with the
 client's ``extra_body``), and llama.cpp's ``repeat_penalty`` (an alias of ``repetition_penalty``).
 ``response_format`` and ``tools``/``tool_choice`` are OpenAI's; see :mod:`hybridllm.server.tools`.
@@ -15,7 +17,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic_core import PydanticCustomError
 
 from hybridllm.config import StructuredOutput
 
@@ -23,6 +26,8 @@ _REQUEST_CONFIG = ConfigDict(strict=True, extra="ignore")
 # a request's top level keeps undeclared keys, so unsupported OpenAI fields can be refused by name
 _TOP_REQUEST_CONFIG = ConfigDict(strict=True, extra="allow")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+RETRY_AFTER_S = 1  # the Retry-After of every 503
+INVALID_UNICODE = "invalid_unicode"  # the validation error type of a lone surrogate
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -75,29 +80,98 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     413: {"model": ErrorResponse, "description": "Request body over the size limit"},
-    503: {"model": ErrorResponse, "description": "Queue full (see Retry-After), or shutting down"},
+    503: {"model": ErrorResponse, "description": "Queue full or shutting down (see Retry-After)"},
 }
 
 
+# ---- request models: valid Unicode, ignored fields noted -----------------------------------
+def find_lone_surrogate(value: Any, path: str = "") -> tuple[str, str] | None:
+    """The (path, character) of the first lone UTF-16 surrogate in a JSON value's strings (keys
+    included), or None. Such a string cannot be encoded as UTF-8, so no tokenizer takes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path or "the body", f"\\u{ord(value[exc.start]):04x}"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = find_lone_surrogate(key, path or "the body") or find_lone_surrogate(
+                item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := find_lone_surrogate(item, f"{path}.{i}" if path else str(i)):
+                return found
+    return None
+
+
+class RequestModel(BaseModel):
+    """A request body (or a part of one): keys it does not declare are ignored but remembered,
+    for :func:`ignored_fields`."""
+
+    model_config = _REQUEST_CONFIG
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_ignored(cls, data: Any, handler: Any) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, RequestModel) and cls.model_config.get("extra") == "ignore":
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            model._ignored = tuple(key for key in data if key not in known)
+        return model
+
+
+class TopRequestModel(RequestModel):
+    """A whole request body: its text checked for lone surrogates before anything else."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data)
+        if found is not None:
+            path, char = found
+            raise PydanticCustomError(INVALID_UNICODE, "{path} holds a lone surrogate ({char}), which is not valid "
+                                      "Unicode text; send UTF-8 text", {"path": path, "char": char})
+        return data
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """The keys of a parsed request that no model declares (dotted paths; a top-level model's
+    ``model_extra`` included): what the server served the request without."""
+    out = [prefix + key for key in (model.model_extra or {})] if model.model_config.get("extra") == "allow" else []
+    if isinstance(model, RequestModel):
+        out += [prefix + key for key in model._ignored]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, BaseModel):
+                out += ignored_fields(item, f"{prefix}{name}." if index is None else f"{prefix}{name}.{index}.")
+    return out
+
+
 # ---- requests ----------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     model_config = _REQUEST_CONFIG
     include_usage: bool = False
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     model_config = _REQUEST_CONFIG
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(RequestModel):
     model_config = _REQUEST_CONFIG
     name: str
     arguments: str = Field(description="The arguments as a JSON string.")
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestModel):
     """A call the assistant made (in a reply, or in the history sent back)."""
 
     model_config = _REQUEST_CONFIG
@@ -106,7 +180,7 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     model_config = _REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -143,7 +217,7 @@ def _json_or_text(text: str) -> Any:
         return text
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(RequestModel):
     model_config = _REQUEST_CONFIG
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
@@ -151,18 +225,18 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(RequestModel):
     model_config = _REQUEST_CONFIG
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(RequestModel):
     model_config = _REQUEST_CONFIG
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestModel):
     """``tool_choice`` naming the function to call."""
 
     model_config = _REQUEST_CONFIG
@@ -170,7 +244,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(RequestModel):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
@@ -178,17 +252,17 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextResponseFormat(BaseModel):
+class TextResponseFormat(RequestModel):
     model_config = _REQUEST_CONFIG
     type: Literal["text"]
 
 
-class JSONObjectResponseFormat(BaseModel):
+class JSONObjectResponseFormat(RequestModel):
     model_config = _REQUEST_CONFIG
     type: Literal["json_object"]
 
 
-class JSONSchemaResponseFormat(BaseModel):
+class JSONSchemaResponseFormat(RequestModel):
     model_config = _REQUEST_CONFIG
     type: Literal["json_schema"]
     json_schema: JSONSchemaFormat
@@ -209,7 +283,7 @@ def structured_output(response_format: ResponseFormat | None) -> StructuredOutpu
     return None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(TopRequestModel):
     """Fields shared by chat and text completions."""
 
     model_config = _TOP_REQUEST_CONFIG
@@ -355,7 +429,7 @@ class Health(BaseModel):
 
 
 # ---- llama.cpp's tokenizer endpoints, /version -------------------------------------------
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(TopRequestModel):
     """``POST /tokenize`` (llama.cpp's shape)."""
 
     model_config = _REQUEST_CONFIG
@@ -373,7 +447,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int] | list[TokenPiece]
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(TopRequestModel):
     """``POST /detokenize`` (llama.cpp's shape)."""
 
     model_config = _REQUEST_CONFIG

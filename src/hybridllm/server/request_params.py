@@ -7,6 +7,7 @@ answers each violation with a 400 naming the field.
 from __future__ import annotations
 
 import math
+import re
 
 from hybridllm.config import SamplingParams, StructuredOutput
 from hybridllm.engine.scheduler import Scheduler
@@ -15,16 +16,28 @@ from hybridllm.server.protocol import APIError, ChatCompletionRequest, Completio
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_TOKEN_ID = re.compile(r"[0-9]+")  # a logit_bias key: decimal digits, nothing around them
+
+
+def check_prompt_size(scheduler: Scheduler, max_token_bytes: int, n_bytes: int, param: str) -> None:
+    """400 for a prompt of ``n_bytes`` UTF-8 bytes that cannot fit in the context window, found
+    without tokenizing it: no token covers more than ``max_token_bytes`` bytes, so the prompt has
+    at least ``n_bytes / max_token_bytes`` tokens (a cheap check before the expensive one)."""
+    at_least = -(-n_bytes // max(1, max_token_bytes))
+    if at_least >= scheduler.context_length:
+        raise APIError(400, f"the prompt has at least {at_least} tokens ({n_bytes} bytes) but "
+                       f"{scheduler.runtime.context_description}; shorten it", param=param,
+                       code="context_length_exceeded")
 
 
 def logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
     """OpenAI's ``logit_bias`` (token id as a string -> bias) checked against the vocabulary."""
     out = {}
     for key, bias in (raw or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not _TOKEN_ID.fullmatch(key):
+            raise APIError(400, f"logit_bias keys must be token ids (decimal digits only), got {key!r}",
+                           param="logit_bias")
+        token_id = int(key)
         if not 0 <= token_id < vocab_size:
             raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary "
                            f"(0..{vocab_size - 1})", param="logit_bias")

@@ -1,11 +1,15 @@
 """Graceful shutdown: on SIGTERM (or Ctrl-C) stop taking work, finish what runs, exit 0.
 
-:class:`Draining` is the app's switch: once on, new requests get 503 with an OpenAI error
-object and ``/health`` reports ``draining``. :class:`GracefulServer` is uvicorn's server with
-that signal handling: the first signal turns draining on and waits (at most ``grace_s``) until
-the request loop has nothing queued or running, then lets uvicorn close the connections and
-stop; a second signal stops at once. uvicorn's own handler re-raises the signal after
-shutting down (the process would die of SIGTERM); this one returns, so the exit code is 0.
+:class:`Draining` is the app's switch: once on, new requests get 503 (with ``Retry-After``) and
+an OpenAI error object, and ``/health`` reports ``draining``. :class:`GracefulServer` is
+uvicorn's server with that signal handling: the first signal turns draining on and waits (at
+most ``grace_s``) until the request loop has nothing queued or running, then lets uvicorn close
+the connections and stop; a second signal stops at once. When the grace period runs out with
+requests still in the loop, the loop is stopped first, so that each of them is told: a stream
+ends with an error event and ``[DONE]``, a JSON request gets 503. uvicorn's own handler re-raises
+the signal after shutting down (the process would die of SIGTERM); this one returns, and
+:attr:`GracefulServer.unfinished` says how many requests did not finish (``hybridllm serve``
+exits 0 when none, else 1).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import uvicorn
 
 from hybridllm.server.asgi import send_error
-from hybridllm.server.protocol import error_body
+from hybridllm.server.protocol import RETRY_AFTER_S, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +73,8 @@ class RefuseWhileDraining:
         if self.on_refused is not None:
             self.on_refused()
         await send_error(send, 503, error_body("the server is shutting down; send the request to another instance",
-                                               type="server_error", code="shutting_down"))
+                                               type="server_error", code="shutting_down"),
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 class GracefulServer(uvicorn.Server):
@@ -88,6 +93,7 @@ class GracefulServer(uvicorn.Server):
         self.draining = draining
         self.scheduler = scheduler
         self.grace_s = grace_s
+        self.unfinished = 0  # requests cut by the end of the grace period (or a second signal)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: Any = None) -> None:
@@ -99,6 +105,7 @@ class GracefulServer(uvicorn.Server):
             if self.should_exit:
                 self.force_exit = True
             self.should_exit = True
+            self.unfinished = max(self.unfinished, self._in_loop())
             return
         self.draining.begin()
         logger.warning("%s: refusing new requests, finishing %d running and %d queued (at most %.0f s)",
@@ -106,12 +113,19 @@ class GracefulServer(uvicorn.Server):
                        self.grace_s)
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
 
+    def _in_loop(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_paused + self.scheduler.num_waiting
+
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.grace_s
         while self.scheduler.has_work() and time.monotonic() < deadline:
             await asyncio.sleep(IDLE_POLL_S)
         if self.scheduler.has_work():
-            logger.warning("the shutdown grace period ran out; ending the requests still running")
+            self.unfinished = max(self.unfinished, self._in_loop())
+            logger.warning("the shutdown grace period ran out; ending the %d requests still in the loop with an error",
+                           self.unfinished)
+            # every request still in the loop gets its error event now, while its connection is open
+            await asyncio.to_thread(self.scheduler.stop)
         # what is left of the grace period bounds uvicorn's wait for responses still being written
         self.config.timeout_graceful_shutdown = max(CONNECTION_CLOSE_S, deadline - time.monotonic())
         self.should_exit = True

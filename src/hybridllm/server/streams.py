@@ -1,9 +1,14 @@
 """A request's way through the request loop: submitted, then its events collected or streamed as SSE.
 
 The HTTP side runs on the asyncio loop; the model runs only on the scheduler's loop thread, which
-hands each event back with ``loop.call_soon_threadsafe`` into the request's queue. A client that
-goes away (a closed stream, a disconnect while waiting) aborts its request, so its KV is freed at
-the next step.
+hands each event back into the request's bounded buffer (:class:`~hybridllm.server.backpressure.RequestEvents`:
+a client that stops reading pauses its request, and is given up on after the stall timeout). A
+client that goes away (a closed stream, a disconnect while a JSON answer is computed) aborts its
+request at once, so its KV and batch slot are freed at the next step.
+
+An error event of the loop becomes an OpenAI error object (:func:`event_error`): the loop stopping
+(shutdown) 503 with Retry-After, a KV budget exhausted mid-request 503, a schema the output cannot
+follow 400, any other input error 400, a fault 500 (the loop logged its traceback once).
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from hybridllm.config import SamplingParams
-from hybridllm.engine.scheduler import AdmissionError, QueueFullError, SeqEvent
+from hybridllm.engine.scheduler import AdmissionError, QueueFullError, RequestLoopStopped, SeqEvent
 from hybridllm.engine.structured import GrammarError
 from hybridllm.errors import HybridLLMError
+from hybridllm.kvcache.base import KVBudgetError
+from hybridllm.server.backpressure import EventStreamResponse, RequestEvents, wait_disconnected
 from hybridllm.server.context import ServerContext
-from hybridllm.server.protocol import APIError, error_body
+from hybridllm.server.protocol import RETRY_AFTER_S, APIError
 
-RETRY_AFTER_S = 1
-DISCONNECT_POLL_S = 0.5
 SSE_HEADERS = {"Cache-Control": "no-cache"}
 
 Payload = dict[str, Any]
@@ -80,23 +85,19 @@ def sse(payload: Payload) -> str:
 
 
 async def submit(ctx: ServerContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 grammar_param: str = "response_format") -> asyncio.Queue[SeqEvent]:
-    """Queue the request; its events arrive in the returned queue. ``grammar_param``: the field
+                 grammar_param: str = "response_format") -> RequestEvents:
+    """Queue the request; its events arrive in the returned buffer. ``grammar_param``: the field
     a structured-output error names.
 
     A structured-output request compiles its grammar while queued: that runs on a worker thread
     so that the event loop keeps serving the other requests meanwhile."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
-
-    def sink(event: SeqEvent) -> None:  # called on the scheduler thread
-        loop.call_soon_threadsafe(queue.put_nowait, event)
-
+    events = RequestEvents(ctx.scheduler, request_id, stall_timeout_s=ctx.stream_stall_timeout_s,
+                           on_pause=ctx.metrics.on_stream_paused)
     try:
         if params.structured is None:
-            ctx.scheduler.submit(request_id, prompt_ids, params, sink)
+            ctx.scheduler.submit(request_id, prompt_ids, params, events.sink)
         else:
-            await run_in_threadpool(ctx.scheduler.submit, request_id, prompt_ids, params, sink)
+            await run_in_threadpool(ctx.scheduler.submit, request_id, prompt_ids, params, events.sink)
     except QueueFullError as exc:
         ctx.metrics.on_rejected("queue_full")
         raise APIError(503, str(exc), type="server_error", code="queue_full",
@@ -108,26 +109,25 @@ async def submit(ctx: ServerContext, request_id: str, prompt_ids: list[int], par
         raise APIError(400, f"{grammar_param}: {exc}", param=grammar_param, code="invalid_schema") from None
     except HybridLLMError as exc:
         raise APIError(400, str(exc)) from None
-    return queue
+    return events
 
 
-async def collect(ctx: ServerContext, request: Request, request_id: str, queue: asyncio.Queue[SeqEvent],
+async def collect(ctx: ServerContext, request: Request, request_id: str, events: RequestEvents,
                   n: int) -> list[SeqEvent] | None:
     """Wait for the last events of the request's ``n`` sequences (by index), or its first error
-    event alone; None (and the request aborted) if the client went away."""
+    event alone; None (and the request aborted at once) if the client goes away meanwhile."""
     finished = False
     finals: list[SeqEvent] = []
     getter: asyncio.Future[SeqEvent] | None = None
+    departed = asyncio.ensure_future(wait_disconnected(request))
     try:
         while True:
             if getter is None:
-                getter = asyncio.ensure_future(queue.get())
+                getter = asyncio.ensure_future(events.get())
             # asyncio.wait (unlike wait_for) never cancels the getter, so no event can be lost
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-            if not done:
-                if await request.is_disconnected():
-                    return None
-                continue
+            done, _ = await asyncio.wait({getter, departed}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                return None  # the client went away
             event, getter = getter.result(), None
             if event.error is not None:
                 return [event]  # the finally aborts the request's other sequences
@@ -137,17 +137,34 @@ async def collect(ctx: ServerContext, request: Request, request_id: str, queue: 
                     finished = True
                     return sorted(finals, key=lambda final: final.index)
     finally:
+        departed.cancel()
         if getter is not None:
             getter.cancel()
         if not finished:
             ctx.scheduler.abort(request_id)
 
 
-def raise_event_error(events: list[SeqEvent]) -> None:
-    """A 500 with the loop's message when the request failed."""
+def event_error(event: SeqEvent, grammar_param: str = "response_format") -> APIError:
+    """The OpenAI error of a request the loop ended with an error event."""
+    exc, message = event.exception, event.error or "the request failed"
+    if isinstance(exc, RequestLoopStopped):
+        return APIError(503, message, type="server_error", code="shutting_down",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, KVBudgetError):
+        return APIError(503, f"the KV cache budget ran out while the request ran: {message}; retry later",
+                        type="server_error", code="kv_budget_exhausted", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, GrammarError):
+        return APIError(400, f"{grammar_param}: {message}", param=grammar_param, code="invalid_schema")
+    if isinstance(exc, HybridLLMError):
+        return APIError(400, message)
+    return APIError(500, message, type="server_error")
+
+
+def raise_event_error(events: list[SeqEvent], grammar_param: str = "response_format") -> None:
+    """Raise the request's error when the loop ended it with one (:func:`event_error`)."""
     for event in events:
         if event.error is not None:
-            raise APIError(500, event.error, type="server_error")
+            raise event_error(event, grammar_param)
 
 
 def usage(events: list[SeqEvent], count_completion: bool = True) -> Payload:
@@ -161,21 +178,28 @@ def usage(events: list[SeqEvent], count_completion: bool = True) -> Payload:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-async def stream_events(ctx: ServerContext, request_id: str, queue: asyncio.Queue[SeqEvent], frame: ChunkFrame,
+def event_stream(ctx: ServerContext, events: RequestEvents, lines: AsyncIterator[str]) -> EventStreamResponse:
+    """The SSE response of ``lines`` (from :func:`stream_events` or :func:`stream_whole`): ended
+    at once when the client disconnects, and after the stall timeout when it stops reading."""
+    return EventStreamResponse(lines, events, on_stall=ctx.metrics.on_stream_stalled, headers=SSE_HEADERS)
+
+
+async def stream_events(ctx: ServerContext, request_id: str, events: RequestEvents, frame: ChunkFrame,
                         head: list[Payload], content: Callable[[SeqEvent], list[Payload]], n: int,
-                        count_completion: bool = True) -> AsyncIterator[str]:
+                        count_completion: bool = True, grammar_param: str = "response_format") -> AsyncIterator[str]:
     """SSE lines of one request: ``head``, then ``content(event)`` of each event and a finish
     chunk per sequence, until its ``n`` sequences end; closing the stream early (client gone)
-    aborts the request."""
+    aborts the request. An error ends it with an error event (:func:`event_error`'s object) and
+    ``[DONE]``."""
     finished = False
     finals: list[SeqEvent] = []
     try:
         for payload in head:
             yield sse(payload)
         while True:
-            event = await queue.get()
+            event = await events.get()
             if event.error is not None:
-                yield sse(error_body(event.error, type="server_error"))
+                yield sse(event_error(event, grammar_param).body())
                 break  # the finally aborts the request's other sequences
             for payload in content(event):
                 yield sse(payload)
@@ -194,18 +218,19 @@ async def stream_events(ctx: ServerContext, request_id: str, queue: asyncio.Queu
             ctx.scheduler.abort(request_id)
 
 
-async def stream_whole(ctx: ServerContext, request_id: str, queue: asyncio.Queue[SeqEvent], frame: ChunkFrame,
-                       first: Payload, reply: Callable[[SeqEvent], tuple[Payload, str | None]]) -> AsyncIterator[str]:
+async def stream_whole(ctx: ServerContext, request_id: str, events: RequestEvents, frame: ChunkFrame,
+                       first: Payload, reply: Callable[[SeqEvent], tuple[Payload, str | None]],
+                       grammar_param: str = "tools") -> AsyncIterator[str]:
     """SSE of a reply sent in one delta when it ends (tool calls cannot be told from text before).
     ``reply(event)`` gives the (delta, finish_reason) of the finished request."""
     finished = False
     try:
         yield sse(first)
         while True:
-            event = await queue.get()
+            event = await events.get()
             if event.error is not None:
                 finished = True
-                yield sse(error_body(event.error, type="server_error"))
+                yield sse(event_error(event, grammar_param).body())
                 break
             if event.finished:
                 finished = True

@@ -4,16 +4,22 @@ A field in :data:`UNSUPPORTED_FIELDS` that a request sets to anything but one of
 values (the ones that ask for nothing: ``tools: []``, ``tool_choice: "none"``,
 ``response_format: {"type": "text"}``...) is answered with a 400 OpenAI error object whose
 ``param`` names it, never silently ignored. Keys that are not OpenAI's at all (a client's own
-extras) are still ignored, as the request models' docstring says.
+extras) are served without, and :func:`log_ignored_fields` names them in the log once per request
+(a warning, as vLLM does).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hybridllm.server.protocol import APIError
+from pydantic import BaseModel
+
+from hybridllm.server.protocol import APIError, ignored_fields
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,3 +68,13 @@ def refuse_unsupported(extra: Mapping[str, Any] | None) -> None:
             continue
         raise APIError(400, f"{field.name} is not supported by this server ({field.why}); remove it from "
                        f"the request", param=field.name, code="unsupported_parameter")
+
+
+def log_ignored_fields(body: BaseModel, route: str) -> list[str]:
+    """Name, in one warning, the request's fields that no model declares (nested ones as dotted
+    paths) and that the request is served without; returns them."""
+    names = ignored_fields(body)
+    if names:
+        logger.warning("%s: the following fields were present in the request but ignored: %s", route,
+                       ", ".join(names))
+    return names

@@ -13,6 +13,9 @@ from hybridllm.server.ray.replica import EngineReplica, ServerOptions
 from hybridllm.server.routing import DEFAULT_MAX_IMBALANCE
 
 CONTROL_CALLS = 16  # room beside a replica's requests for the ingress's probes and metric scrapes
+# Ray's resource of the head node: the ingress asks for a sliver of it, so it runs where the
+# cluster's control lives and a worker node's loss never takes the HTTP front with it.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 HEALTH_CHECK_PERIOD_S = 2.0  # how soon Ray Serve notices a dead replica and starts its replacement
 HEALTH_CHECK_TIMEOUT_S = 60.0  # a busy replica on few cores can be slow to answer
 
@@ -53,7 +56,8 @@ def build_app(llm_options: dict[str, Any] | None = None, *, replicas: int = 2,
         for replica in range(replicas)
     ]
     ingress = serve.deployment(
-        Ingress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        Ingress, name="ingress", num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}},
         max_ongoing_requests=replicas * (server.max_batch + server.max_queue) + CONTROL_CALLS,
         graceful_shutdown_timeout_s=shutdown_grace_s,
     )

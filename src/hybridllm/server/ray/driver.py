@@ -20,6 +20,16 @@ class RayServeError(HybridLLMError):
     """The cluster cannot be reached or the application not deployed on it (one line: Ray's reason)."""
 
 
+def serve_running() -> bool:
+    """Whether Ray Serve already runs on the connected cluster (its controller is there)."""
+    from ray.serve.context import _get_global_client  # Serve's own lookup of its controller
+
+    try:
+        return _get_global_client(raise_if_no_controller_running=False) is not None
+    except Exception:  # an unreachable controller: treat Serve as not ours to keep
+        return False
+
+
 def last_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[-1] if lines else type(exc).__name__
@@ -33,7 +43,9 @@ def ray_serve(app: Application, *, address: str | None, host: str, port: int) ->
         app: the application (:func:`hybridllm.server.ray.build_app`).
         address: the cluster to join (``auto``: the one ``ray start`` runs on this machine,
             ``HOST:6379``: a head node); None starts a local one-machine cluster (no dashboard),
-            stopped at the end.
+            stopped at the end. On a cluster where Ray Serve was not running yet, Serve is shut
+            down at the end (its HTTP proxies release the port); where it was (other
+            applications), only this application is removed.
         host: the address Ray Serve's HTTP proxy binds.
         port: its port.
 
@@ -44,11 +56,14 @@ def ray_serve(app: Application, *, address: str | None, host: str, port: int) ->
     local = address is None
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        ray.init(address=address, logging_level=logging.WARNING, **({"include_dashboard": False} if local else {}))
+        # "local": a new cluster of our own, never one that `ray start` left running on this machine
+        ray.init(address=address or "local", logging_level=logging.WARNING,
+                 **({"include_dashboard": False} if local else {}))
     except ConnectionError as exc:
         raise RayServeError(f"--ray-address {address}: {last_line(exc)} (start one with `ray start --head`)") from None
     for sig, handler in handlers.items():  # ray.init's SIGTERM handler would exit without stopping Serve
         signal.signal(sig, handler)
+    serve_was_running = not local and serve_running()
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -57,8 +72,8 @@ def ray_serve(app: Application, *, address: str | None, host: str, port: int) ->
             raise RayServeError(f"the Ray Serve application did not start: {last_line(exc)}") from None
         yield
     finally:
-        if local:
-            serve.shutdown()
-        else:  # a shared cluster keeps Serve for its other applications
+        if serve_was_running:  # a shared cluster keeps Serve (and its proxies' port) for its other applications
             serve.delete(APP_NAME)
+        else:  # Serve was ours: its proxies go with it, and so does the port
+            serve.shutdown()
         ray.shutdown()

@@ -21,6 +21,7 @@ from hybridllm.engine.scheduler import Scheduler
 from hybridllm.llm import LLM
 from hybridllm.server.app import create_app
 from hybridllm.server.asgi_bridge import ForwardedRequest, ResponseStart, call_asgi
+from hybridllm.server.backpressure import DEFAULT_STREAM_STALL_TIMEOUT_S
 from hybridllm.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -36,6 +37,7 @@ class ServerOptions:
         served_model_name: the model id in the API (None: the checkpoint's name).
         api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>``.
         max_request_bytes: the largest request body accepted (bigger: 413).
+        stream_stall_timeout_s: how long a stream whose client reads nothing stays paused.
     """
 
     max_batch: int = 16
@@ -44,6 +46,7 @@ class ServerOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S
 
 
 class EngineReplica:
@@ -62,7 +65,8 @@ class EngineReplica:
         self.scheduler = Scheduler(llm.runtime, max_batch=server.max_batch, max_queue=server.max_queue,
                                    host_budget=host_budget, prefix_cache=llm.prefix_cache)
         self.app = create_app(llm, self.scheduler, model_name=server.served_model_name, api_key=server.api_key,
-                              manage_scheduler=False, max_request_bytes=server.max_request_bytes)
+                              manage_scheduler=False, max_request_bytes=server.max_request_bytes,
+                              stream_stall_timeout_s=server.stream_stall_timeout_s)
         self.scheduler.start()
 
     async def handle_http(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:

@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from hybridllm.config import StructuredOutput
@@ -24,11 +24,11 @@ from hybridllm.server.protocol import (
     NamedToolChoice,
     structured_output,
 )
-from hybridllm.server.request_params import sampling_params
+from hybridllm.server.request_params import check_prompt_size, sampling_params
 from hybridllm.server.streams import (
-    SSE_HEADERS,
     ChunkFrame,
     collect,
+    event_stream,
     raise_event_error,
     stream_events,
     stream_whole,
@@ -36,7 +36,7 @@ from hybridllm.server.streams import (
     usage,
 )
 from hybridllm.server.tools import forced_call_schema, parse_tool_calls, render_with_tools
-from hybridllm.server.unsupported import refuse_unsupported
+from hybridllm.server.unsupported import log_ignored_fields, refuse_unsupported
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -79,6 +79,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                            ctx: ServerContext = Depends(server_context)) -> Any:
     ctx.check_model(body.model)
     refuse_unsupported(body.model_extra)
+    log_ignored_fields(body, "POST /v1/chat/completions")
     if not body.messages:
         raise APIError(400, "messages must contain at least one message", param="messages")
     want_logprobs = bool(body.logprobs)
@@ -90,6 +91,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     if tools and (body.n or 1) > 1:
         raise APIError(400, "n > 1 together with tools is not supported", param="n")
     llm = ctx.llm
+    check_prompt_size(ctx.scheduler, llm.tokenizer.max_token_bytes,
+                      sum(len(m["content"].encode()) for m in messages), "messages")
     try:
         if tools:
             text = await run_in_threadpool(render_with_tools, llm.tokenizer, messages, tools)
@@ -104,7 +107,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                              logprobs=(body.top_logprobs or 0) if want_logprobs else None, structured=structured)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     now = int(time.time())
-    queue = await submit(ctx, request_id, prompt_ids, params, "tools" if forced else "response_format")
+    grammar_param = "tools" if forced else "response_format"
+    events = await submit(ctx, request_id, prompt_ids, params, grammar_param)
     single_call = body.parallel_tool_calls is False
 
     def logprobs_of(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -123,8 +127,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                 calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
                 return {"tool_calls": calls}, reason
 
-            return StreamingResponse(stream_whole(ctx, request_id, queue, frame, frame.choice(0, role), reply),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return event_stream(ctx, events, stream_whole(ctx, request_id, events, frame, frame.choice(0, role), reply,
+                                                          grammar_param))
 
         def content(event: SeqEvent) -> list[dict[str, Any]]:
             if not (event.text or event.logprobs):
@@ -132,14 +136,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
             return [frame.choice(event.index, {"content": event.text}, logprobs_of(event.logprobs))]
 
         head = [frame.choice(index, role) for index in range(params.n)]
-        return StreamingResponse(stream_events(ctx, request_id, queue, frame, head, content, params.n),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    events = await collect(ctx, request, request_id, queue, params.n)
-    if events is None:
+        return event_stream(ctx, events, stream_events(ctx, request_id, events, frame, head, content, params.n,
+                                                       grammar_param=grammar_param))
+    finals = await collect(ctx, request, request_id, events, params.n)
+    if finals is None:
         return Response(status_code=499)
-    raise_event_error(events)
+    raise_event_error(finals, grammar_param)
     choices = []
-    for event in events:
+    for event in finals:
         message, finish_reason = chat_reply(event.full_text, event.finish_reason, tool_names, single_call)
         choices.append({"index": event.index, "message": message, "finish_reason": finish_reason,
                         "logprobs": logprobs_of(event.all_logprobs)})
@@ -147,5 +151,5 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         "id": request_id, "object": "chat.completion", "created": now, "model": ctx.model_name,
         "system_fingerprint": ctx.fingerprint,
         "choices": choices,
-        "usage": usage(events),
+        "usage": usage(finals),
     }

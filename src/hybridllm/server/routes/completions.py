@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from hybridllm.engine.scheduler import SeqEvent
@@ -22,17 +22,17 @@ from hybridllm.server.protocol import (
     CompletionResponse,
     structured_output,
 )
-from hybridllm.server.request_params import DEFAULT_COMPLETION_MAX_TOKENS, sampling_params
+from hybridllm.server.request_params import DEFAULT_COMPLETION_MAX_TOKENS, check_prompt_size, sampling_params
 from hybridllm.server.streams import (
-    SSE_HEADERS,
     ChunkFrame,
     collect,
+    event_stream,
     raise_event_error,
     stream_events,
     submit,
     usage,
 )
-from hybridllm.server.unsupported import refuse_unsupported
+from hybridllm.server.unsupported import log_ignored_fields, refuse_unsupported
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -47,6 +47,7 @@ async def prompt_token_ids(ctx: ServerContext, body: CompletionRequest) -> tuple
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
+        check_prompt_size(ctx.scheduler, ctx.llm.tokenizer.max_token_bytes, len(prompt.encode()), "prompt")
         return prompt, await run_in_threadpool(ctx.llm.tokenizer.encode, prompt, True)
     prompt_ids = list(prompt)
     if not prompt_ids:
@@ -63,6 +64,7 @@ async def prompt_token_ids(ctx: ServerContext, body: CompletionRequest) -> tuple
 async def completions(body: CompletionRequest, request: Request, ctx: ServerContext = Depends(server_context)) -> Any:
     ctx.check_model(body.model)
     refuse_unsupported(body.model_extra)
+    log_ignored_fields(body, "POST /v1/completions")
     prompt, prompt_ids = await prompt_token_ids(ctx, body)
     token_text = ctx.token_text
     echo, want_logprobs = bool(body.echo), body.logprobs is not None
@@ -78,7 +80,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
                              structured=structured_output(body.response_format))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     now = int(time.time())
-    queue = await submit(ctx, request_id, prompt_ids, params)
+    events = await submit(ctx, request_id, prompt_ids, params)
     completion_start = len(prompt_text)  # text_offset of the first generated token
 
     def prompt_logprobs_of(event: SeqEvent) -> dict[str, Any]:
@@ -114,18 +116,17 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServerCont
 
         # the echoed prompt up front; with log-probabilities it waits for them (the first event)
         head = [frame.choice(i, prompt_text) for i in range(params.n)] if echo and not want_logprobs else []
-        return StreamingResponse(stream_events(ctx, request_id, queue, frame, head, content, params.n,
-                                               count_completion=generate),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    events = await collect(ctx, request, request_id, queue, params.n)
-    if events is None:
+        return event_stream(ctx, events, stream_events(ctx, request_id, events, frame, head, content, params.n,
+                                                       count_completion=generate))
+    finals = await collect(ctx, request, request_id, events, params.n)
+    if finals is None:
         return Response(status_code=499)
-    raise_event_error(events)
+    raise_event_error(finals)
     return {
         "id": request_id, "object": "text_completion", "created": now, "model": ctx.model_name,
         "system_fingerprint": ctx.fingerprint,
         "choices": [{"index": event.index, "text": prompt_text + (event.full_text if generate else ""),
                      "finish_reason": event.finish_reason if generate else "length",
-                     "logprobs": choice_logprobs(event)} for event in events],
-        "usage": usage(events, count_completion=generate),
+                     "logprobs": choice_logprobs(event)} for event in finals],
+        "usage": usage(finals, count_completion=generate),
     }

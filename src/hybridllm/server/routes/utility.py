@@ -14,6 +14,7 @@ from hybridllm.server.context import ServerContext, require_api_key, server_cont
 from hybridllm.server.metrics import CONTENT_TYPE
 from hybridllm.server.protocol import (
     ERROR_RESPONSES,
+    RETRY_AFTER_S,
     APIError,
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,6 +23,7 @@ from hybridllm.server.protocol import (
     TokenizeResponse,
     VersionInfo,
 )
+from hybridllm.server.unsupported import log_ignored_fields
 
 tokenizer_router = APIRouter(dependencies=[Depends(require_api_key)])
 router = APIRouter()
@@ -30,6 +32,7 @@ router = APIRouter()
 @tokenizer_router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES,
                        summary="Text to token ids (llama.cpp's shape; with_pieces: each id with its text)")
 async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(server_context)) -> Any:
+    log_ignored_fields(body, "POST /tokenize")
     tokenizer = ctx.llm.tokenizer
     ids = await run_in_threadpool(tokenizer.encode, body.content, body.add_special)
     if not body.with_pieces:
@@ -41,6 +44,7 @@ async def tokenize(body: TokenizeRequest, ctx: ServerContext = Depends(server_co
 @tokenizer_router.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES,
                        summary="Token ids to text (llama.cpp's shape)")
 async def detokenize(body: DetokenizeRequest, ctx: ServerContext = Depends(server_context)) -> Any:
+    log_ignored_fields(body, "POST /detokenize")
     vocab_size = ctx.scheduler.vocab_size
     bad = [i for i in body.tokens if not 0 <= i < vocab_size]
     if bad:
@@ -55,13 +59,17 @@ async def version(ctx: ServerContext = Depends(server_context)) -> Any:
             "weights_format": ctx.view.placement.weights_format}
 
 
+@router.head("/health", response_model=Health, operation_id="health_head",
+             summary="/health's status without its body (load balancers probe with HEAD)")
 @router.get("/health", response_model=Health,
-            summary="200 while the scheduler runs, 503 when stopped or draining for shutdown")
+            summary="200 while the scheduler runs, 503 (with Retry-After) when stopped or draining for shutdown")
 async def health(ctx: ServerContext = Depends(server_context)) -> Any:
     status = "draining" if ctx.draining.active else "ok" if ctx.view.is_running else "stopped"
     running, waiting = ctx.view.requests()
     body = {"status": status, "running": running, "waiting": waiting}
-    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+    if status == "ok":
+        return JSONResponse(body)
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
