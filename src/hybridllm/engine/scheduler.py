@@ -33,6 +33,7 @@ from hybridllm.engine.output import check_prompt
 from hybridllm.engine.output_processor import OutputProcessor
 from hybridllm.engine.policies import LoopPolicies
 from hybridllm.engine.sequence import SeqEvent, SequenceKV, SequenceState
+from hybridllm.engine.speculator import Speculator
 from hybridllm.engine.step_plan import ScheduledRow, StepPlan
 from hybridllm.engine.structured import GrammarCompiler
 from hybridllm.errors import ConfigError
@@ -62,10 +63,8 @@ class Scheduler:
 
     def __init__(self, runtime: Any, max_batch: int = 16, max_queue: int = 256, host_budget: int | None = None,
                  observer: SchedulerObserver | None = None, prefix_cache: PrefixCache | None = None) -> None:
-        if max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-        if max_queue < 0:
-            raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
+        if max_batch < 1 or max_queue < 0:
+            raise ConfigError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.runtime, self.tokenizer, self.device = runtime, runtime.tokenizer, runtime.engine_config.torch_device
         self.context_length, self.vocab_size = runtime.context_length, runtime.config.vocab_size
         self.prefill_chunk, self.max_batch, self.max_queue = runtime.engine_config.prefill_chunk, max_batch, max_queue
@@ -87,8 +86,9 @@ class Scheduler:
         self.policies = LoopPolicies(runtime, self.ledger, self.adaptive, prefix_cache)
         self.executor = Executor(self.policies)
         self.decode_batch_sizes = self.executor.decode_batch_sizes  # forwards per number of decode rows
+        self.speculator = Speculator.of(runtime)  # proposals for decode rows (--spec; none without)
         self.processor = OutputProcessor(runtime, self.ledger, self.policies, self._release, self._add_running,
-                                         observer or SchedulerObserver())
+                                         observer or SchedulerObserver(), self.speculator)
 
     @property
     def observer(self) -> SchedulerObserver:
@@ -130,8 +130,7 @@ class Scheduler:
         return seq
 
     def abort(self, request_id: str) -> None:
-        """Drop a request (its client went away): out of the queue now, or its KV freed at the
-        start of the next step."""
+        """Drop a request (its client went away): out of the queue now, or its KV freed next step."""
         with self._cond:
             for seq in self._waiting:
                 if seq.request_id == request_id:
@@ -259,9 +258,10 @@ class Scheduler:
         self.processor.report_actions(seq)
 
     def schedule(self) -> StepPlan:
-        """This step's rows: every decoding sequence's pending tokens, then prefill chunks of new
-        sequences within the step's prompt-token budget."""
-        plan = StepPlan([ScheduledRow(seq, list(seq.pending)) for seq in self._running if seq.pending])
+        """This step's rows: every decoding sequence's pending tokens (and proposal), then prefill
+        chunks of new sequences within the step's prompt-token budget."""
+        plan = self.speculator.propose(StepPlan([ScheduledRow(seq, list(seq.pending)) for seq in self._running
+                                                 if seq.pending]))
         budget = self.prefill_chunk * (1 if plan.rows else IDLE_PREFILL_CHUNKS)
         used = 0
         in_flight: set[bytes] = set()  # first pages being prefilled (not cached yet) in this step
@@ -292,6 +292,7 @@ class Scheduler:
         seq.finish_time = time.perf_counter()
         seq.pending = []
         self.policies.free(seq)
+        self.speculator.release(seq)
         with self._cond:
             if seq in self._running:
                 self._running.remove(seq)
