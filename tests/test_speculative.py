@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from spec_helpers import repetitive_prompt
 from tiny_models import build_hf_model
 
 from hybridllm import LLM, SamplingParams
@@ -271,11 +272,10 @@ def spec_llm(tiny):
     return LLM(str(tiny[1]), spec="ngram", spec_ngram_min=1, threads=2, prefill_chunk=32)
 
 
-def _looping_prompt(llm: LLM, length: int = 40) -> list[int]:
-    """A prompt whose greedy continuation repeats it: the model's own greedy output, fed back."""
-    seed = [11, 12, 13, 14, 15]
-    out = llm.generate(seed, SamplingParams(max_tokens=length, temperature=0, ignore_eos=True, speculative=False))
-    return seed + out.token_ids
+@pytest.fixture(scope="module")
+def looping(spec_llm) -> list[int]:
+    """A prompt whose greedy continuation repeats earlier n-grams (proposals get accepted)."""
+    return repetitive_prompt(spec_llm)
 
 
 def _both(llm: LLM, prompt, params: SamplingParams):
@@ -285,8 +285,8 @@ def _both(llm: LLM, prompt, params: SamplingParams):
 
 
 @NEEDS_COMPILER
-def test_greedy_text_and_logprobs_equal_plain_decoding_and_drafts_are_accepted(spec_llm):
-    prompt = _looping_prompt(spec_llm)
+def test_greedy_text_and_logprobs_equal_plain_decoding_and_drafts_are_accepted(spec_llm, looping):
+    prompt = looping
     plain, spec = _both(spec_llm, prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=3))
     assert spec.token_ids == plain.token_ids
     assert spec.logprobs == plain.logprobs  # the accepted tokens' log-probabilities are plain decoding's, bitwise
@@ -299,7 +299,7 @@ def test_greedy_text_and_logprobs_equal_plain_decoding_and_drafts_are_accepted(s
 
 
 @NEEDS_COMPILER
-def test_rows_of_different_lengths_are_verified_in_one_step(spec_llm, tiny, monkeypatch):
+def test_rows_of_different_lengths_are_verified_in_one_step(spec_llm, looping, tiny, monkeypatch):
     from hybridllm.engine.executor import Executor
 
     lengths_seen: list[list[int]] = []
@@ -310,7 +310,7 @@ def test_rows_of_different_lengths_are_verified_in_one_step(spec_llm, tiny, monk
         return execute(self, plan)
 
     monkeypatch.setattr(Executor, "execute", recording)
-    base = _looping_prompt(spec_llm)
+    base = looping
     prompts = [base[i:] for i in range(0, 16, 2)]  # eight sequences at different points of the loop
     params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] * len(prompts)
     spec = spec_llm.engine.generate_batch(prompts, params)
@@ -322,12 +322,12 @@ def test_rows_of_different_lengths_are_verified_in_one_step(spec_llm, tiny, monk
 
 
 @NEEDS_COMPILER
-def test_the_rejected_kv_is_rolled_back(spec_llm):
+def test_the_rejected_kv_is_rolled_back(spec_llm, looping):
     """After every step a sequence's cache holds exactly its tokens but the pending one."""
     from hybridllm.engine.scheduler import Scheduler
 
     scheduler = Scheduler(spec_llm.runtime)
-    prompt = _looping_prompt(spec_llm)[:-3] + [7, 8, 9]  # the loop broken: some proposals rejected
+    prompt = looping[:-3] + [7, 8, 9]  # the loop broken: some proposals rejected
     seq = scheduler.submit("r", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), lambda e: None)
     while seq.finish_reason is None:
         scheduler.step()
@@ -339,15 +339,16 @@ def test_the_rejected_kv_is_rolled_back(spec_llm):
 
 @NEEDS_COMPILER
 @pytest.mark.parametrize("case", ["budget", "stop string", "penalties", "bias"])
-def test_stop_rules_penalties_and_bias_as_plain_decoding(spec_llm, case):
-    prompt = _looping_prompt(spec_llm)
-    tokenizer = spec_llm.tokenizer
+def test_stop_rules_penalties_and_bias_as_plain_decoding(spec_llm, looping, case):
+    prompt = looping
     reference = spec_llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
                                                          speculative=False))
+    text = reference.text
+    cut = next(k for k in range(len(text) // 3, len(text) - 4)  # a stop string first seen in the middle
+               if text[k:k + 4].strip() == text[k:k + 4] and text.find(text[k:k + 4]) == k)
     params = {
         "budget": SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
-        "stop string": SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
-                                      stop=[tokenizer.decode(reference.token_ids[12:15]).strip() or "x"]),
+        "stop string": SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[text[cut:cut + 4]]),
         "penalties": SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, repetition_penalty=1.2,
                                     frequency_penalty=0.3),
         "bias": SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
@@ -360,7 +361,7 @@ def test_stop_rules_penalties_and_bias_as_plain_decoding(spec_llm, case):
     if case == "budget":
         assert len(spec.token_ids) == 7 and spec.finish_reason == "length"
     if case == "stop string":
-        assert spec.finish_reason == "stop" and len(spec.token_ids) < 30
+        assert spec.finish_reason == "stop" and spec.text == text[:cut]
     assert spec.metrics["spec_drafts"] > 0
 
 
@@ -402,11 +403,11 @@ def _sampled_runs(llm: LLM, prompt: list[int], draws: int, **params) -> tuple[di
 
 
 @NEEDS_COMPILER
-def test_sampled_tokens_keep_the_distribution_end_to_end(spec_llm):
+def test_sampled_tokens_keep_the_distribution_end_to_end(spec_llm, looping):
     """Four sampled tokens after a prompt that loops, many times with and without speculation:
     the joint distribution of the tokens is the same (chi-square at a fixed seed); proposals were
     accepted and rejected."""
-    prompt = _looping_prompt(spec_llm, length=20)
+    prompt = looping
     draws = 1280
     counts, stats = _sampled_runs(spec_llm, prompt, draws, max_tokens=4, temperature=0.8, top_k=3)
     assert stats["accepted"] > draws // 10 and stats["drafted"] - stats["accepted"] > draws // 20, stats
@@ -430,12 +431,12 @@ def draft_pair(tmp_path_factory, tiny):
 
 
 @NEEDS_COMPILER
-def test_a_draft_model_gives_the_plain_greedy_text(draft_pair, spec_llm):
+def test_a_draft_model_gives_the_plain_greedy_text(draft_pair, looping):
     target, draft = draft_pair
     llm = LLM(str(target), model_draft=str(draft), draft_max=6, threads=2)
     assert llm.speculative.method == "draft" and llm.runtime.draft is not None
     assert llm.cold_start.draft_s > 0
-    prompts = [[11, 12, 13, 14, 15], list(range(30, 60)), _looping_prompt(spec_llm)]
+    prompts = [[11, 12, 13, 14, 15], list(range(30, 60)), looping]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     spec = llm.engine.generate_batch(prompts, [params] * 3)
     plain = llm.engine.generate_batch(prompts, [SamplingParams(**{**params.__dict__, "speculative": False})] * 3)

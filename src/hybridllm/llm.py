@@ -119,6 +119,8 @@ class LLM:
                                         model_draft=None if model_draft is None else os.fspath(model_draft),
                                         n_gpu_layers_draft=n_gpu_layers_draft)
         checkpoint = open_checkpoint(model)
+        if speculative.model_draft is not None:
+            open_checkpoint(speculative.model_draft)  # a missing draft model fails before the slow load
         chosen = resolve_placement(checkpoint.config.n_layers, placement, n_gpu_layers, decode_on, weights, kv_options)
         self.runtime = build_runtime(checkpoint, engine_config, chosen, options, speculative)
         prefix_config = PrefixCacheConfig.parse(prefix_cache_ram, prefix_cache_disk, prefix_cache_disk_size,

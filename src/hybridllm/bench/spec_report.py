@@ -1,0 +1,116 @@
+"""Speculative decoding side by side (``--preset spec``): its table and its Markdown section.
+
+Per workload (``hybridllm.bench.workloads``: rewrite a file, quote a document, free-form chat) the
+table puts our engine without and with speculation next to llama-cpp-python without and with its
+prompt lookup (``LlamaPromptLookupDecoding``), measured in one sweep on the same file, prompt ids
+and thread count: decode tokens/s, the acceptance of our proposals, each row's speed-up over the
+same engine without speculation and its ratio to llama-cpp-python's prompt lookup. The section,
+ready for docs/benchmarks.md (``--markdown FILE``), adds the machine, its CPU's model and the
+native kernels' instruction set, and the command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hybridllm.bench import report
+
+HEADING = "## Speculative decoding: input-grounded prompts and free-form chat (CPU, {threads} threads)"
+HEADERS = ("workload", "engine", "speculation", "prompt tokens", "generated", "decode tok/s", "accepted / proposed",
+           "vs no speculation", "vs llama.cpp prompt lookup", "status")
+ENGINE_ORDER = {"hybridllm": 0, "llama.cpp": 1, "transformers": 2}
+
+
+def _speculation(row: dict[str, Any]) -> str:
+    if row.get("spec", "none") == "none":
+        return "none"
+    return "prompt lookup" if row["engine"] == "llama.cpp" else row["spec"]
+
+
+def _acceptance(row: dict[str, Any]) -> str:
+    proposed, accepted = row.get("spec_draft_tokens"), row.get("spec_accepted_tokens")
+    if not proposed:
+        return "-"
+    return f"{accepted} / {proposed} ({100 * accepted / proposed:.0f} %)"
+
+
+def records(rows: Sequence[dict[str, Any]]) -> tuple[list[list[str]], list[str]]:
+    """Cells of the table (by workload, then engine and speculation) and the notes of failed rows."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("decode_tps")]
+    plain = {(r.get("workload"), r["engine"]): r["decode_tps"] for r in ok if r.get("spec", "none") == "none"}
+    lookup = {r.get("workload"): r["decode_tps"] for r in ok if r["engine"] == "llama.cpp" and r.get("spec") == "ngram"}
+    out, notes = [], []
+    for row in sorted(rows, key=lambda r: (str(r.get("workload")), ENGINE_ORDER.get(r["engine"], 9),
+                                           r.get("spec", "none") != "none")):
+        status = "ok"
+        if row["status"] != "ok":
+            notes.append(f"{row['engine']} {_speculation(row)} on {row.get('workload')}: {row['status']}: "
+                         f"{row['error']}")
+            status = f"{row['status']} [{len(notes)}]"
+        decode = row.get("decode_tps") if row["status"] == "ok" else None
+        out.append([
+            str(row.get("workload") or f"{row['context']} tokens"), row["engine"], _speculation(row),
+            str(row["context"]), str(row.get("generated_tokens") or "-"),
+            report.fmt_rate(decode, row.get("decode_tps_spread")), _acceptance(row),
+            _times(decode, plain.get((row.get("workload"), row["engine"]))),
+            _times(decode, lookup.get(row.get("workload"))),
+            status,
+        ])
+    return out, notes
+
+
+def _times(value: float | None, reference: float | None) -> str:
+    return f"{value / reference:.2f}x" if value and reference else "-"
+
+
+def print_spec(rows: Sequence[dict[str, Any]]) -> None:
+    cells, notes = records(rows)
+    report.print_table(HEADERS, cells, notes, title="speculative decoding: ours and llama-cpp-python's prompt lookup")
+
+
+def table_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    cells, notes = records(rows)
+    text = report.markdown(HEADERS, cells)
+    return text + ("\n\n" + "\n".join(f"[{i}] {n}" for i, n in enumerate(notes, 1)) if notes else "")
+
+
+def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: dict[str, Any]) -> str:
+    """The Markdown section of docs/benchmarks.md for a ``--preset spec`` sweep.
+
+    Args:
+        rows: the sweep's rows.
+        machine: ``report.machine_info()`` (plus ``kernel_isa``: the native kernels' instruction set).
+        settings: what the sweep recorded (``command``, ``started``, ``load_average``, ``threads``,
+            ``new_tokens``, ``repeat``).
+    """
+    load_start, load_end = settings.get("load_average") or (float("nan"), float("nan"))
+    started = str(settings.get("started", "?")).replace("T", " ")[:16]
+    variants = sorted({f"{r['engine']}: {r['variant']}" for r in rows if r.get("variant")})
+    lines = [
+        HEADING.format(threads=settings.get("threads")),
+        "",
+        f"Measured {started} UTC with:",
+        "",
+        "```",
+        str(settings.get("command", "")),
+        "```",
+        "",
+        (f"- machine: {machine['cpu']} (native kernels: {machine.get('kernel_isa') or 'not built'}), "
+         f"{machine['cores']} cores, {machine['ram_bytes'] / 2**30:.0f} GiB RAM; {machine['os']}"),
+        f"- software: Python {machine['python']}, torch {machine['torch']}, llama-cpp-python "
+        f"{machine.get('llama-cpp-python')}",
+        (f"- 1-minute load average of the machine (other work included): {load_start:.2f} at the start, "
+         f"{load_end:.2f} at the end"),
+        (f"- model: {rows[0]['model'] if rows else '?'}, its own quantization in both engines; "
+         f"{settings.get('threads')} threads for every engine; greedy, up to {settings.get('new_tokens')} new tokens, "
+         f"stopping at the end of sequence; median of {settings.get('repeat')} run(s) after a warm-up; each "
+         "configuration in its own process"),
+        "- workloads: rewrite (a ~600-token Python file given back with a class renamed), quote (a ~550-token "
+        "document, the paragraph that answers a question repeated), chat (a free-form story: nothing to copy)",
+        f"- engines: {'; '.join(variants) if variants else 'hybridllm'}",
+        "- decode tok/s = tokens after the first / their time; a step's accepted tokens share its time",
+        "",
+        table_markdown(rows),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,26 @@
+"""Prompts on which a tiny random model's greedy continuation repeats earlier n-grams, so that
+``--spec ngram`` proposals get accepted (a random model has no copying behaviour to rely on:
+among a few candidate prompts, the one whose continuation accepts the most is taken; the model
+and the candidates are fixed, so the choice is too)."""
+
+from __future__ import annotations
+
+from hybridllm import SamplingParams
+
+CANDIDATES = 12
+
+
+def repetitive_prompt(llm, length: int = 60, probe_tokens: int = 32) -> list[int]:
+    """The candidate prompt (a seed of 5 ids and the model's greedy continuation of it, ``length``
+    tokens) whose next ``probe_tokens`` greedy tokens accept the most n-gram proposals of ``llm``
+    (an ``LLM`` built with ``spec="ngram"``)."""
+    best, best_accepted = None, -1
+    for start in range(CANDIDATES):
+        seed = [11 + 7 * start + i for i in range(5)]
+        greedy = SamplingParams(max_tokens=length, temperature=0, ignore_eos=True, speculative=False)
+        prompt = seed + llm.generate(seed, greedy).token_ids
+        probe = llm.generate(prompt, SamplingParams(max_tokens=probe_tokens, temperature=0, ignore_eos=True))
+        accepted = probe.metrics["spec_accepted_tokens"]
+        if accepted > best_accepted:
+            best, best_accepted = prompt, accepted
+    return best
