@@ -464,3 +464,52 @@ def test_a_draft_model_with_another_vocabulary_is_refused_in_one_line(tmp_path, 
     with pytest.raises(ConfigError, match="same vocabulary") as caught:
         LLM(str(tiny[0]), model_draft=str(other), threads=1)
     assert "\n" not in str(caught.value)
+
+
+@NEEDS_COMPILER
+def test_decode_rows_join_a_verification_row_in_one_native_call(spec_llm, looping, monkeypatch):
+    """A step with a verification row runs the other sequences' one-token rows in the same
+    all-logits ``hl_prefill_model`` call (the weights read once), with the bits of a decode step."""
+    from hybridllm.kernels.native import NativeModel
+    from hybridllm.runtime.forward_batch import ForwardBatch, ForwardRow
+
+    runner = spec_llm.runtime.runner
+    calls: list[str] = []
+    for name in ("decode", "prefill_chunks"):
+        original = getattr(NativeModel, name)
+        monkeypatch.setattr(NativeModel, name, lambda self, *a, _f=original, _n=name, **k: (calls.append(_n),
+                                                                                            _f(self, *a, **k))[1])
+
+    def filled(prompt: list[int]):
+        cache = spec_llm.runtime.new_cache()
+        runner.step(ForwardBatch([ForwardRow(cache, prompt, 0)]))
+        return cache
+
+    prompts = [looping[:20], looping[:33], looping[:41]]
+    with torch.inference_mode():
+        alone = [runner.step(ForwardBatch([ForwardRow(c, [7], c.seq_length)]))[0] for c in map(filled, prompts)]
+        verify_alone = runner.step(ForwardBatch([ForwardRow(c, [7, 8, 9], c.seq_length, True)
+                                                 for c in [filled(prompts[0])]]))[0]
+        caches = [filled(p) for p in prompts]
+        calls.clear()
+        together = runner.step(ForwardBatch([ForwardRow(caches[0], [7, 8, 9], caches[0].seq_length, True),
+                                             *[ForwardRow(c, [7], c.seq_length) for c in caches[1:]]]))
+    assert calls == ["prefill_chunks"]  # one call for the verification row and the decode rows
+    assert torch.equal(together[0], verify_alone)
+    assert all(torch.equal(a, b) for a, b in zip(together[1:], alone[1:]))
+
+
+@pytest.mark.parametrize("backend", ["eager", "cuda-graph"])
+def test_pytorch_backends_verify_within_rounding_and_roll_back_their_caches(tiny, looping, backend):
+    """On the PyTorch paths (the eager walk; the cuda-graph backend's static slot caches, run
+    eagerly on the CPU) a verification forward is within float rounding of one-token steps: the
+    greedy text is plain decoding's up to a near-tie, and the caches roll back (static rows too)."""
+    llm = LLM(str(tiny[1]), spec="ngram", spec_ngram_min=1, threads=2, decode_backend=backend, device="cpu")
+    prompt = looping
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
+    plain, spec = _both(llm, prompt, params)
+    assert spec.metrics["spec_accepted_tokens"] > 0
+    same = next((i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b), None)
+    if same is not None:  # only where the two best tokens were tied to rounding
+        first, second = plain.logprobs[same].top[:2]
+        assert abs(first[1] - second[1]) < 1e-4, (same, plain.logprobs[same])
