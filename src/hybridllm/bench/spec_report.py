@@ -70,9 +70,7 @@ def print_spec(rows: Sequence[dict[str, Any]]) -> None:
 
 
 def table_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    cells, notes = records(rows)
-    text = report.markdown(HEADERS, cells)
-    return text + ("\n\n" + "\n".join(f"[{i}] {n}" for i, n in enumerate(notes, 1)) if notes else "")
+    return report.markdown_with_notes(HEADERS, *records(rows))
 
 
 def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: dict[str, Any]) -> str:
@@ -84,24 +82,16 @@ def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: d
         settings: what the sweep recorded (``command``, ``started``, ``load_average``, ``threads``,
             ``new_tokens``, ``repeat``).
     """
-    load_start, load_end = settings.get("load_average") or (float("nan"), float("nan"))
-    started = str(settings.get("started", "?")).replace("T", " ")[:16]
     variants = sorted({f"{r['engine']}: {r['variant']}" for r in rows if r.get("variant")})
     lines = [
         HEADING.format(threads=settings.get("threads")),
         "",
-        f"Measured {started} UTC with:",
-        "",
-        "```",
-        str(settings.get("command", "")),
-        "```",
-        "",
+        *report.measured_with(settings),
         (f"- machine: {machine['cpu']} (native kernels: {machine.get('kernel_isa') or 'not built'}), "
          f"{machine['cores']} cores, {machine['ram_bytes'] / 2**30:.0f} GiB RAM; {machine['os']}"),
         f"- software: Python {machine['python']}, torch {machine['torch']}, llama-cpp-python "
         f"{machine.get('llama-cpp-python')}",
-        (f"- 1-minute load average of the machine (other work included): {load_start:.2f} at the start, "
-         f"{load_end:.2f} at the end"),
+        report.load_line(settings),
         (f"- model: {rows[0]['model'] if rows else '?'}, its own quantization in both engines; "
          f"{settings.get('threads')} threads for every engine; greedy, up to {settings.get('new_tokens')} new tokens, "
          f"stopping at the end of sequence; median of {settings.get('repeat')} run(s) after a warm-up; each "

@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from hybridllm.config import SpeculativeConfig
+from hybridllm.engine.draft_model import DraftModelDrafter
 from hybridllm.engine.drafting import DraftPacer, Drafter, DraftRequest, SequenceSpeculation
 from hybridllm.engine.ngram import NgramDrafter
 from hybridllm.engine.sequence import SequenceState
@@ -50,8 +51,6 @@ class Speculator:
         if config.method == "ngram":
             return cls(config, NgramDrafter(config.spec_ngram_min, config.spec_ngram_max))
         if config.method == "draft":
-            from hybridllm.engine.draft_model import DraftModelDrafter
-
             return cls(config, DraftModelDrafter(runtime.draft, runtime.engine_config.prefill_chunk))
         return cls(config, None)
 

@@ -66,8 +66,3 @@ class StepPlan:
     def prefill_tokens(self) -> int:
         """Prompt tokens the step runs."""
         return sum(len(row.token_ids) for row in self.rows if row.is_prompt)
-
-    @property
-    def draft_tokens(self) -> int:
-        """Proposed tokens the step verifies."""
-        return sum(len(row.draft) for row in self.rows)
