@@ -24,3 +24,16 @@ def repetitive_prompt(llm, length: int = 60, probe_tokens: int = 32) -> list[int
         if accepted > best_accepted:
             best, best_accepted = prompt, accepted
     return best
+
+
+TIERED_KNOBS = {"kv_hot_window": 32, "kv_page_size": 16}  # a small hot window: pages go cold mid-answer
+
+
+def every_kv_strategy_and_host_decode() -> dict[str, dict]:
+    """``LLM`` options per configuration of the exactness tests: every registered KV strategy
+    (tiered with a small hot window) and decode on the host."""
+    from hybridllm.kvcache.registry import strategy_names
+
+    configs = {name: {"kv_cache": name, **(TIERED_KNOBS if name == "tiered" else {})} for name in strategy_names()}
+    configs["decode on host"] = {"decode_on": "host"}
+    return configs

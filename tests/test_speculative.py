@@ -19,7 +19,7 @@ import random
 
 import pytest
 import torch
-from spec_helpers import repetitive_prompt
+from spec_helpers import every_kv_strategy_and_host_decode, repetitive_prompt
 from tiny_models import build_hf_model
 
 from hybridllm import LLM, SamplingParams
@@ -32,6 +32,7 @@ from hybridllm.errors import ConfigError
 
 from conftest import NEEDS_COMPILER
 
+EVERY_KV_AND_HOST_DECODE = every_kv_strategy_and_host_decode()
 SIGNIFICANCE = 0.001  # the chi-square tests' level: at their fixed seeds they pass or fail deterministically
 
 
@@ -431,20 +432,28 @@ def draft_pair(tmp_path_factory, tiny):
 
 
 @NEEDS_COMPILER
-def test_a_draft_model_gives_the_plain_greedy_text(draft_pair, looping):
+@pytest.mark.parametrize("config", list(EVERY_KV_AND_HOST_DECODE))
+def test_a_draft_model_gives_the_plain_greedy_text(draft_pair, looping, config):
+    """16 prompts decoded together with a random-weight draft of the same vocabulary, under every KV
+    strategy and with decode on the host: the greedy texts are plain decoding's, and the rejected
+    proposals' KV is rolled back in the target's cache and the draft's."""
     target, draft = draft_pair
-    llm = LLM(str(target), model_draft=str(draft), draft_max=6, threads=2)
+    llm = LLM(str(target), model_draft=str(draft), draft_max=6, threads=2, **EVERY_KV_AND_HOST_DECODE[config])
     assert llm.speculative.method == "draft" and llm.runtime.draft is not None
     assert llm.cold_start.draft_s > 0
-    prompts = [[11, 12, 13, 14, 15], list(range(30, 60)), looping]
+    prompts = [looping[i:] for i in range(0, 24, 3)] + [[11 + 7 * k + i for i in range(5)] for k in range(4)] + [
+        list(range(30 + 5 * k, 60 + 5 * k)) for k in range(4)]
+    assert len(prompts) == 16
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    spec = llm.engine.generate_batch(prompts, [params] * 3)
-    plain = llm.engine.generate_batch(prompts, [SamplingParams(**{**params.__dict__, "speculative": False})] * 3)
+    spec = llm.engine.generate_batch(prompts, [params] * 16)
+    plain = llm.engine.generate_batch(prompts, [SamplingParams(**{**params.__dict__, "speculative": False})] * 16)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     accepted = sum(r.metrics["spec_accepted_tokens"] for r in spec)
     drafted = sum(r.metrics["spec_draft_tokens"] for r in spec)
     assert 0 < accepted < drafted  # accepted often, rejected sometimes: both roll back the draft's KV
     assert all(r.metrics["spec_method"] == "draft" for r in spec)
+    if config == "decode on host":
+        assert all(r.metrics["decode_on"] == "host" for r in spec)
 
 
 @NEEDS_COMPILER

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
@@ -69,6 +71,52 @@ def test_server_reports_proposals_and_a_request_may_turn_speculation_off(spec_ll
         assert "accepted_prediction_tokens" in schema["CompletionTokensDetails"]["properties"]
 
 
+@NEEDS_COMPILER
+def test_concurrent_requests_each_draft_for_themselves_and_are_verified_together(spec_llm, monkeypatch):
+    """8 requests in flight at once: every sequence proposes for itself, steps verify rows of
+    different lengths in one forward, and each text is the text of the same request without
+    speculation."""
+    from hybridllm.engine.executor import Executor
+
+    n = 8
+    base = repetitive_prompt(spec_llm)
+    all_submitted = threading.Event()
+    submitted: list[str] = []
+    submit, execute = Scheduler.submit, Executor.execute
+
+    def counting_submit(self, request_id, *args, **kwargs):
+        seq = submit(self, request_id, *args, **kwargs)
+        submitted.append(request_id)
+        if len(submitted) >= n:
+            all_submitted.set()
+        return seq
+
+    row_lengths: list[list[int]] = []
+
+    def gated_execute(self, plan):  # the loop waits for the burst: the requests run together
+        all_submitted.wait(60)
+        row_lengths.append([len(row.token_ids) for row in plan.rows if not row.is_prompt])
+        return execute(self, plan)
+
+    monkeypatch.setattr(Scheduler, "submit", counting_submit)
+    monkeypatch.setattr(Executor, "execute", gated_execute)
+    app = create_app(spec_llm, Scheduler(spec_llm.runtime, max_batch=n))
+    bodies = [{"model": app.state.model_name, "prompt": base[2 * i:], "max_tokens": 24, "temperature": 0,
+               "ignore_eos": True} for i in range(n)]
+    with TestClient(app) as client, ThreadPoolExecutor(n) as pool:
+        together = list(pool.map(lambda body: client.post("/v1/completions", json=body).json(), bodies))
+        row_lengths_together = list(row_lengths)
+        alone = [client.post("/v1/completions", json={**body, "speculative": False}).json() for body in bodies]
+    assert [r["choices"][0]["text"] for r in together] == [r["choices"][0]["text"] for r in alone]
+    drafts = [r["usage"]["completion_tokens_details"]["speculative_drafts"] for r in together]
+    assert all(d > 0 for d in drafts), drafts  # each sequence proposed for itself
+    assert sum(r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] for r in together) > 0
+    mixed = [lengths for lengths in row_lengths_together
+             if len(lengths) >= 2 and max(lengths) > 1 and len(set(lengths)) > 1]
+    assert mixed, "no step verified rows of different lengths together"
+    assert max(len(lengths) for lengths in row_lengths_together) == n  # all eight decoded in one step
+
+
 # ---- the CLI ----------------------------------------------------------------------------------------
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridllm.cli", *args], capture_output=True, text=True, timeout=300)
@@ -105,6 +153,41 @@ def test_bad_speculative_flags_are_one_line_errors(args, needle):
     assert len(lines) == 1 and needle in lines[0], result.stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_every_command_hands_the_speculative_flags_to_the_engine(command, monkeypatch):
+    """generate, chat and serve build their ``LLM`` with the flags (stopped just before loading)."""
+    from typer.testing import CliRunner
+
+    from hybridllm.cli import app
+    from hybridllm.errors import ConfigError
+
+    seen: dict = {}
+
+    def recording_init(self, *args, **kwargs):
+        seen.update(kwargs)
+        raise ConfigError("stopped before loading")
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    args = [command, *(["hi"] if command == "generate" else []), "--spec", "ngram", "--spec-ngram-max", "5",
+            "--spec-ngram-min", "3", "--draft-max", "7", "--draft-min", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "stopped before loading" in result.stderr, result.output
+    assert {k: seen[k] for k in ("spec", "spec_ngram_max", "spec_ngram_min", "draft_max", "draft_min")} == {
+        "spec": "ngram", "spec_ngram_max": 5, "spec_ngram_min": 3, "draft_max": 7, "draft_min": 2}
+
+
+def test_a_draft_model_of_another_vocabulary_is_a_one_line_cli_error(tiny_models, tmp_path):
+    from tiny_models import build_hf_model
+
+    other = tmp_path / "other"
+    build_hf_model(other, "llama", tokenizer_style="qwen2")
+    done = _cli("generate", "hi", "--model", str(tiny_models["llama"][1]), "--model-draft", str(other),
+                "--max-tokens", "2", "--threads", "1")
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "same vocabulary" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
 # ---- the bench ----------------------------------------------------------------------------------------
 def test_spec_preset_runs_each_workload_with_and_without_speculation_beside_prompt_lookup(default_model_path):
     settings = resolve("spec")
@@ -116,11 +199,13 @@ def test_spec_preset_runs_each_workload_with_and_without_speculation_beside_prom
     lengths = {c.workload: c.context for c in grid}
     assert 550 <= lengths["rewrite"] <= 750 and 500 <= lengths["quote"] <= 700 and lengths["chat"] < 100
     assert all(c.threads == 2 for c in grid)
+    assert {c.workload: c.new_tokens for c in grid} == {"rewrite": 768, "quote": 768, "chat": 128}
     assert len({c.context for c in grid if c.workload == "rewrite"}) == 1  # every engine the same prompt ids
 
 
 def _row(engine: str, spec: str, decode: float, **extra) -> dict:
-    return {"engine": engine, "model": "m", "spec": spec, "workload": "rewrite", "context": 620, "status": "ok", "error": None,
+    return {"engine": engine, "model": "m", "spec": spec, "workload": "rewrite", "context": 620, "new_tokens": 768,
+            "status": "ok", "error": None,
             "decode_tps": decode, "generated_tokens": 600, **extra}
 
 
@@ -142,6 +227,7 @@ def test_spec_table_puts_speed_ups_and_acceptance_side_by_side():
                                                "new_tokens": 768, "repeat": 3})
     assert text.startswith("## Speculative decoding") and "CPU X (native kernels: avx512-vnni)" in text
     assert "hybridllm bench --preset spec --threads 2" in text and "| rewrite | hybridllm | ngram |" in text
+    assert "new tokens at most chat 768, rewrite 768" in text and "median of 3 run(s)" in text
 
 
 @pytest.mark.slow

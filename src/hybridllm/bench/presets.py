@@ -131,11 +131,15 @@ def build_preset_grid(settings: dict[str, Any], **common: Any) -> list:
     """
     from hybridllm.bench.sweep import build_grid
 
-    if settings.get("workloads"):  # named prompts: each its own length, as our tokenizer gives it
+    if settings.get("workloads"):  # named prompts: each its own length (our tokenizer's) and answer cap
+        from hybridllm.bench.workloads import MAX_NEW_TOKENS
+
         return [config for workload in settings["workloads"]
                 for config in build_grid([workload_length(workload, common)], settings["kv_caches"],
                                          settings["decode_ons"], settings["n_gpu_layers"], settings["baselines"],
-                                         specs=settings["specs"], workload=workload, **common)]
+                                         specs=settings["specs"], workload=workload,
+                                         **{**common, "new_tokens": min(common["new_tokens"],
+                                                                        MAX_NEW_TOKENS[workload])})]
     if not settings.get("kv_variants"):
         return build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"],
                           settings["n_gpu_layers"], settings["baselines"], specs=settings["specs"], **common)

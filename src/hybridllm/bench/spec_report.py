@@ -79,10 +79,11 @@ def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: d
     Args:
         rows: the sweep's rows.
         machine: ``report.machine_info()`` (plus ``kernel_isa``: the native kernels' instruction set).
-        settings: what the sweep recorded (``command``, ``started``, ``load_average``, ``threads``,
-            ``new_tokens``, ``repeat``).
+        settings: what the sweep recorded (``command``, ``started``, ``load_average``, ``threads``, ``repeat``).
     """
     variants = sorted({f"{r['engine']}: {r['variant']}" for r in rows if r.get("variant")})
+    caps = ", ".join(f"{workload} {n}" for workload, n in sorted({(str(r.get("workload")), r.get("new_tokens"))
+                                                                 for r in rows}))
     lines = [
         HEADING.format(threads=settings.get("threads")),
         "",
@@ -93,7 +94,7 @@ def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: d
         f"{machine.get('llama-cpp-python')}",
         report.load_line(settings),
         (f"- model: {rows[0]['model'] if rows else '?'}, its own quantization in both engines; "
-         f"{settings.get('threads')} threads for every engine; greedy, up to {settings.get('new_tokens')} new tokens, "
+         f"{settings.get('threads')} threads for every engine; greedy, new tokens at most {caps}, "
          f"stopping at the end of sequence; median of {settings.get('repeat')} run(s) after a warm-up; each "
          "configuration in its own process"),
         "- workloads: rewrite (a ~600-token Python file given back with a class renamed), quote (a ~550-token "

@@ -5,7 +5,8 @@
 - ``quote``: a ~550-token document (``spec_inputs/library_rules.txt``) and a request to repeat the
   passage that answers a question: the answer quotes its input;
 - ``chat``: a free-form request whose answer repeats nothing: proposals rarely match, so it shows
-  what speculation costs when it does not pay.
+  what speculation costs when it does not pay (at most 128 new tokens, a chat turn's length: the
+  default 135M model's stories turn repetitive a few hundred tokens in, and then proposals match).
 
 A workload's prompt is the model's chat template around the message, tokenized by our tokenizer of
 the model; every engine gets the same ids. Generation is greedy and stops at the end of sequence
@@ -42,6 +43,7 @@ def _chat() -> str:
 
 
 WORKLOADS: dict[str, Callable[[], str]] = {"rewrite": _rewrite, "quote": _quote, "chat": _chat}
+MAX_NEW_TOKENS = {"rewrite": 768, "quote": 768, "chat": 128}  # each workload's answer at most (the bench's cap)
 
 
 def check_workload(name: str) -> None:
