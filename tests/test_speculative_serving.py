@@ -192,6 +192,7 @@ def test_a_draft_model_of_another_vocabulary_is_a_one_line_cli_error(tiny_models
 def test_spec_preset_runs_each_workload_with_and_without_speculation_beside_prompt_lookup(default_model_path):
     settings = resolve("spec")
     assert settings["workloads"] == ["rewrite", "quote", "chat"] and settings["specs"] == ["none", "ngram"]
+    assert settings["serve_concurrency"] == 16  # then serve without and with --spec ngram, 16 requests at once
     grid = build_preset_grid(settings, model=str(default_model_path), new_tokens=settings["new_tokens"],
                              threads=2, weights="auto")
     assert {(c.workload, c.engine, c.spec) for c in grid} == {
@@ -230,13 +231,47 @@ def test_spec_table_puts_speed_ups_and_acceptance_side_by_side():
     assert "new tokens at most chat 768, rewrite 768" in text and "median of 3 run(s)" in text
 
 
+def _burst(speculation: str, tokens_per_s: float, failed: int = 0, **extra) -> dict:
+    return {"speculation": speculation, "round": 1, "concurrency": 16, "max_tokens": 128, "failed": failed,
+            "errors": [], "generated_tokens_per_s": tokens_per_s, "draft_tokens": 0, "accepted_tokens": 0, **extra}
+
+
+def test_spec_section_adds_the_serving_comparison():
+    serve_rows = [_burst("none", 100.0), _burst("ngram", 90.0, draft_tokens=40, accepted_tokens=10),
+                  _burst("none", 120.0), _burst("ngram", 150.0, draft_tokens=60, accepted_tokens=30),
+                  _burst("none", 110.0), _burst("ngram", 999.0, failed=1),  # a burst with a failure is not counted
+                  {"speculation": "ngram", "round": 4, "error": "the server exited with code 1"}]
+    cells = {c[0]: c for c in spec_report.serve_records(serve_rows)}
+    assert cells["serve"][2] == "110.0" and cells["serve"][3] == "1.00x" and cells["serve"][5] == "3 / 3"
+    ours = cells["serve --spec ngram"]
+    assert ours[2] == "120.0" and ours[3] == "1.09x" and ours[4] == "40 / 100 (40 %)" and ours[5] == "2 / 4"
+    machine = {"cpu": "CPU X", "kernel_isa": "avx2", "cores": 2, "ram_bytes": 2**33, "os": "Linux",
+               "python": "3.11", "torch": "2", "llama-cpp-python": "0.3.36"}
+    text = spec_report.section([_row("hybridllm", "none", 40.0)], machine, {"threads": 2, "repeat": 3}, serve_rows)
+    assert "### Serving 16 concurrent requests" in text and "| serve --spec ngram | 16 | 120.0 | 1.09x |" in text
+
+
+@pytest.mark.slow
+def test_serving_comparison_runs_both_servers_on_the_same_burst(tiny_models):
+    """``bench --preset spec``'s serving part on a tiny model: a server without and one with
+    ``--spec ngram``, the same concurrent greedy requests, the same tokens generated."""
+    from hybridllm.bench.spec_serve import compare_serving
+
+    rows = compare_serving(["--model", str(tiny_models["llama"][1])], threads=1, rounds=1, concurrency=4,
+                           max_tokens=24)
+    assert [r["speculation"] for r in rows] == ["none", "ngram"]
+    assert all(r["succeeded"] == 4 and r["failed"] == 0 for r in rows), rows
+    assert rows[0]["generated_tokens"] == rows[1]["generated_tokens"] > 0
+    assert rows[0]["draft_tokens"] == 0 and rows[1]["draft_tokens"] >= rows[1]["accepted_tokens"]
+
+
 @pytest.mark.slow
 def test_spec_rows_measure_our_proposals_and_llama_cpps_prompt_lookup_on_one_prompt(default_model_path):
     from hybridllm.bench.sweep import BenchConfig
     from hybridllm.bench.worker import measure_row
 
     pytest.importorskip("llama_cpp")
-    common = dict(model=str(default_model_path), workload="quote", context=600, new_tokens=24, threads=2,
+    common = dict(model=str(default_model_path), workload="quote", context=600, new_tokens=10, threads=2,
                   weights="auto", warmup=False)
     config = build_preset_grid(resolve("spec", workloads=["quote"]), **{k: v for k, v in common.items()
                                                                           if k not in ("workload", "context")})[0]

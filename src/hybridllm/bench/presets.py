@@ -73,7 +73,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Speculative decoding on input-grounded prompts and free-form chat (hybridllm.bench.workloads,
     # hybridllm.bench.spec_report): ours without and with --spec ngram, llama-cpp-python without and
-    # with LlamaPromptLookupDecoding, on the same file, prompt ids and threads, in one sweep.
+    # with LlamaPromptLookupDecoding, on the same file, prompt ids and threads, in one sweep; then
+    # `serve` without and with --spec ngram under 16 concurrent chat requests (hybridllm.bench.spec_serve,
+    # --repeat bursts each, at most serve_new_tokens new tokens per request).
     "spec": {
         "workloads": ["rewrite", "quote", "chat"],
         "specs": ["none", "ngram"],
@@ -83,6 +85,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "new_tokens": 768,
         "repeat": 3,
         "weights": "auto",
+        "serve_concurrency": 16,
+        "serve_new_tokens": 128,
     },
     # What the prefix cache saves a chat (hybridllm.bench.multi_turn): a ~4K-token system prompt and
     # --turns user turns, TTFT per turn with the prefix cache off and on, and a restart from disk.
@@ -106,6 +110,7 @@ DEFAULTS: dict[str, Any] = {
     "repeat": 3,
     "specs": ["none"],
     "workloads": None,  # None: the synthetic prompt of each --prompt-tokens length
+    "serve_concurrency": 0,  # > 0: after the sweep, serve without and with --spec ngram under that many requests
 }
 
 

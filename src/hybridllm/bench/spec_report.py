@@ -6,11 +6,14 @@ prompt lookup (``LlamaPromptLookupDecoding``), measured in one sweep on the same
 and thread count: decode tokens/s, the acceptance of our proposals, each row's speed-up over the
 same engine without speculation and its ratio to llama-cpp-python's prompt lookup. The section,
 ready for docs/benchmarks.md (``--markdown FILE``), adds the machine, its CPU's model and the
-native kernels' instruction set, and the command.
+native kernels' instruction set, the command, and the serving comparison
+(``hybridllm.bench.spec_serve``: aggregate tokens/s of ``serve`` without and with ``--spec ngram``
+under concurrent requests).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +23,8 @@ HEADING = "## Speculative decoding: input-grounded prompts and free-form chat (C
 HEADERS = ("workload", "engine", "speculation", "prompt tokens", "generated", "decode tok/s", "accepted / proposed",
            "vs no speculation", "vs llama.cpp prompt lookup", "status")
 ENGINE_ORDER = {"hybridllm": 0, "llama.cpp": 1, "transformers": 2}
+SERVE_HEADERS = ("server", "requests at once", "generated tok/s (median)", "vs no speculation", "accepted / proposed",
+                 "bursts ok")
 
 
 def _speculation(row: dict[str, Any]) -> str:
@@ -64,22 +69,52 @@ def _times(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x" if value and reference else "-"
 
 
+def serve_records(serve_rows: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """Cells of the serving table (``spec_serve.compare_serving``'s rows): per server, the median
+    aggregate tokens/s of its bursts that all succeeded, and its ratio to the server without."""
+    medians: dict[str, float | None] = {}
+    cells = []
+    for speculation in dict.fromkeys(r["speculation"] for r in serve_rows):
+        bursts = [r for r in serve_rows if r["speculation"] == speculation]
+        ok = [r for r in bursts if not r.get("error") and not r["failed"]]
+        medians[speculation] = statistics.median(r["generated_tokens_per_s"] for r in ok) if ok else None
+        proposed, accepted = sum(r["draft_tokens"] for r in ok), sum(r["accepted_tokens"] for r in ok)
+        cells.append([
+            "serve" if speculation == "none" else f"serve --spec {speculation}",
+            str(bursts[0].get("concurrency", "-")), report.fmt_rate(medians[speculation]),
+            _times(medians[speculation], medians.get("none")),
+            f"{accepted} / {proposed} ({100 * accepted / proposed:.0f} %)" if proposed else "-",
+            f"{len(ok)} / {len(bursts)}",
+        ])
+    return cells
+
+
 def print_spec(rows: Sequence[dict[str, Any]]) -> None:
     cells, notes = records(rows)
     report.print_table(HEADERS, cells, notes, title="speculative decoding: ours and llama-cpp-python's prompt lookup")
+
+
+def print_serve(serve_rows: Sequence[dict[str, Any]]) -> None:
+    errors = sorted({r["error"] for r in serve_rows if r.get("error")} |
+                    {e for r in serve_rows for e in r.get("errors", ())})
+    report.print_table(SERVE_HEADERS, serve_records(serve_rows), errors,
+                       title="serving concurrent requests without and with speculation")
 
 
 def table_markdown(rows: Sequence[dict[str, Any]]) -> str:
     return report.markdown_with_notes(HEADERS, *records(rows))
 
 
-def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: dict[str, Any]) -> str:
+def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: dict[str, Any],
+            serve_rows: Sequence[dict[str, Any]] = ()) -> str:
     """The Markdown section of docs/benchmarks.md for a ``--preset spec`` sweep.
 
     Args:
         rows: the sweep's rows.
         machine: ``report.machine_info()`` (plus ``kernel_isa``: the native kernels' instruction set).
-        settings: what the sweep recorded (``command``, ``started``, ``load_average``, ``threads``, ``repeat``).
+        settings: what the sweep recorded (``command``, ``started``, ``load_average``, ``threads``, ``repeat``,
+            ``warmup``).
+        serve_rows: the serving comparison's bursts (``spec_serve.compare_serving``), if it ran.
     """
     variants = sorted({f"{r['engine']}: {r['variant']}" for r in rows if r.get("variant")})
     caps = ", ".join(f"{workload} {n}" for workload, n in sorted({(str(r.get("workload")), r.get("new_tokens"))
@@ -95,7 +130,8 @@ def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: d
         report.load_line(settings),
         (f"- model: {rows[0]['model'] if rows else '?'}, its own quantization in both engines; "
          f"{settings.get('threads')} threads for every engine; greedy, new tokens at most {caps}, "
-         f"stopping at the end of sequence; median of {settings.get('repeat')} run(s) after a warm-up; each "
+         f"stopping at the end of sequence; median of {settings.get('repeat')} run(s)"
+         f"{' after a warm-up' if settings.get('warmup', True) else ''}; each "
          "configuration in its own process"),
         "- workloads: rewrite (a ~600-token Python file given back with a class renamed), quote (a ~550-token "
         "document, the paragraph that answers a question repeated), chat (a free-form story: nothing to copy)",
@@ -104,4 +140,19 @@ def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: d
         "",
         table_markdown(rows),
     ]
+    if serve_rows:
+        first = serve_rows[0]
+        lines += [
+            "",
+            f"### Serving {first.get('concurrency')} concurrent requests",
+            "",
+            (f"`hybridllm serve` without and with `--spec ngram`, {settings.get('threads')} threads, "
+             f"`--max-batch` = the requests in flight; each burst {first.get('concurrency')} free-form chat requests "
+             f"at once (`hybridllm.bench.serve_load.PROMPTS`), greedy, at most {first.get('max_tokens')} new tokens, "
+             f"stopping at the end of sequence (both servers generate the same tokens); a fresh server per burst, "
+             f"alternating, {settings.get('repeat')} burst(s) each; aggregate tok/s = generated tokens / the "
+             "burst's wall time (prefill included)"),
+            "",
+            report.markdown(SERVE_HEADERS, serve_records(serve_rows)),
+        ]
     return "\n".join(lines)

@@ -231,11 +231,22 @@ def bench(
     started, load_start = dt.datetime.now(dt.UTC), os.getloadavg()[0]
     rows = run_sweep(grid, timeout_s=timeout, progress=True)
 
+    serve_rows: list[dict[str, Any]] = []
+    if settings["serve_concurrency"]:  # --preset spec: the servers after the sweep, one at a time
+        from hybridllm.bench.spec_serve import compare_serving
+
+        serve_args = [*(["--model", str(model.path)] if model.path else []), "--device", device,
+                      *(["--weights", weights] if weights else [])]
+        serve_rows = compare_serving(serve_args, threads, settings["repeat"], settings["serve_concurrency"],
+                                     min(settings["new_tokens"], settings["serve_new_tokens"]))
+
     report.print_summary(rows)
     if preset == "peers":
         peers_report.print_peers(rows)
     if settings.get("workloads"):
         spec_report.print_spec(rows)
+    if serve_rows:
+        spec_report.print_serve(serve_rows)
     if preset == "kv":
         kv_strategies.print_kv(rows, {**settings, "threads": threads, "device": device, "dtype": model.dtype,
                                       "kv_options": kv_options})
@@ -258,7 +269,8 @@ def bench(
                 "host_read_gbs": bandwidth_gbs, "device_bandwidth_gbs": device_bandwidth_gbs,
                 "command": shlex.join(["hybridllm", *sys.argv[1:]]),
                 "started": started.isoformat(timespec="seconds"), "load_average": [load_start, os.getloadavg()[0]],
-                "cpu_busy_elsewhere": machine_load.busy_elsewhere, "machine_loaded": machine_load.loaded}
+                "cpu_busy_elsewhere": machine_load.busy_elsewhere, "machine_loaded": machine_load.loaded,
+                "warmup": warmup, "serve": serve_rows}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
     if csv_out is not None:
@@ -276,7 +288,8 @@ def bench(
         if preset == "kv":
             text = kv_strategies.kv_markdown(rows, recorded) + "\n\n" + text
         if settings.get("workloads"):
-            text = spec_report.section(rows, {**report.machine_info(), "kernel_isa": _kernel_isa()}, recorded)
+            text = spec_report.section(rows, {**report.machine_info(), "kernel_isa": _kernel_isa()}, recorded,
+                                       serve_rows)
         markdown_out.expanduser().parent.mkdir(parents=True, exist_ok=True)
         markdown_out.write_text(text + "\n")
     if plot_out is not None:
