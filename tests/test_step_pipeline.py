@@ -129,3 +129,23 @@ def test_probabilities_follow_the_filters():
     probs = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))
     assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     assert torch.allclose(probabilities(logits, SamplingParams(temperature=1.0)), logits.exp())
+
+
+def test_the_scheduler_stays_bookkeeping():
+    """The scheduler is plain bookkeeping (no torch, at most 300 lines); no engine module
+    outgrows ~400 lines (a feature gets a module of its own)."""
+    import ast
+    from pathlib import Path
+
+    import hybridllm.engine as engine
+
+    folder = Path(engine.__file__).parent
+    source = (folder / "scheduler.py").read_text()
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert "torch" not in imported
+    assert len(source.splitlines()) <= 300
+    sizes = {path.name: len(path.read_text().splitlines()) for path in folder.glob("*.py")}
+    assert max(sizes.values()) <= 400, sizes

@@ -20,6 +20,9 @@ Prints requests/s, generated tokens/s, TTFT and latency percentiles and the fail
 ``--concurrency`` requests in flight at once (``--max-batch`` = the concurrency), and one at a
 time (``--concurrency 1 --max-batch 1``); it prints every round and the ratio of the median
 throughputs (alternating keeps a machine whose speed drifts from favouring either side).
+
+The requests and the server start are ``hybridllm.bench.serve_load``'s (``bench --preset spec``
+uses them too); this file is their command line.
 """
 
 from __future__ import annotations
@@ -27,136 +30,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
-
-from hybridllm.engine.metrics import percentile
-
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three primary colors.",
-    "Tell me a joke about computers.",
-    "Explain gravity to a child.",
-    "What is 2+2? Explain your reasoning.",
-    "Name a fruit that is yellow.",
-    "Who wrote Hamlet?",
-    "Give me a recipe for pancakes.",
-    "Why is the sky blue?",
-    "Describe a cat in one paragraph.",
-    "What are the planets of the solar system?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How do airplanes fly?",
-    "Translate 'good morning' into French and Spanish.",
-    "Write a short poem about autumn leaves.",
-]
-MAX_REQUESTS = 256
-MAX_CONCURRENCY = 64
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft = None
-    usage = None
-    try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                return {"ok": False, "error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return {"ok": False, "error": chunk["error"]["message"]}
-                if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                    ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-    except httpx.HTTPError as exc:
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    latency = time.perf_counter() - start
-    if usage is None:
-        return {"ok": False, "error": "no usage in the stream"}
-    return {"ok": True, "latency_s": latency, "ttft_s": ttft if ttft is not None else latency,
-            "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]}
-
-
-async def run_load(url: str, model: str, n_requests: int, concurrency: int, max_tokens: int,
-                   time_limit: float) -> dict[str, Any]:
-    semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(time_limit), limits=limits) as http:
-        async def bounded(i: int) -> dict[str, Any]:
-            async with semaphore:
-                return await one_request(http, url, model, PROMPTS[i % len(PROMPTS)], max_tokens)
-
-        start, cpu_start = time.perf_counter(), time.process_time()
-        results = await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(n_requests))), time_limit)
-        wall, client_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    ok = [r for r in results if r["ok"]]
-    failed = [r for r in results if not r["ok"]]
-    tokens = sum(r["completion_tokens"] for r in ok)
-    latencies = [r["latency_s"] for r in ok] or [0.0]
-    ttfts = [r["ttft_s"] for r in ok] or [0.0]
-    return {
-        "requests": n_requests,
-        "concurrency": concurrency,
-        "max_tokens": max_tokens,
-        "succeeded": len(ok),
-        "failed": len(failed),
-        "errors": sorted({r["error"] for r in failed})[:5],
-        "wall_s": wall,
-        "client_cpu_s": client_cpu,  # this script's own CPU time (it shares the machine with the server)
-        "requests_per_s": len(ok) / wall,
-        "generated_tokens": tokens,
-        "generated_tokens_per_s": tokens / wall,
-        "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
-        "ttft_p50_s": statistics.median(ttfts),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "latency_p50_s": statistics.median(latencies),
-        "latency_p99_s": percentile(latencies, 99),
-    }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(args: argparse.Namespace, max_batch: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "hybridllm.cli", "serve", "--port", str(port), "--max-batch",
-               str(max_batch), "--max-queue", str(max(256, args.requests)), "--log-level", "warning",
-               *(["--threads", str(args.threads)] if args.threads else []), *args.serve_arg]
-    print("starting:", " ".join(command[1:]), file=sys.stderr)
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.terminate()
-    raise SystemExit("the server did not start within 300 s")
+from hybridllm.bench.serve_load import (
+    LOOPBACK,
+    MAX_CONCURRENCY,
+    MAX_REQUESTS,
+    ServerStartError,
+    run_load,
+    start_server,
+    stop_server,
+    warm_up,
+)
 
 
 def burst(args: argparse.Namespace, concurrency: int, max_batch: int) -> dict[str, Any]:
@@ -165,18 +54,18 @@ def burst(args: argparse.Namespace, concurrency: int, max_batch: int) -> dict[st
     if args.url:
         url = args.url.rstrip("/")
     else:
-        proc, url = start_server(args, max_batch)
+        try:
+            proc, url = start_server(args.serve_arg, args.threads, max_batch, max(256, args.requests))
+        except ServerStartError as exc:
+            raise SystemExit(str(exc)) from None
     try:
-        model = args.model or httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-        httpx.post(f"{url}/v1/chat/completions", timeout=300, json={  # warm-up, not measured
-            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        model = warm_up(url, args.model)
         if args.warmup_burst:  # the burst's own shape once, not measured: every batch size and length seen
             asyncio.run(run_load(url, model, concurrency, concurrency, args.max_tokens, args.time_limit))
         result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+            stop_server(proc)
     result["max_batch"] = max_batch if proc is not None else None
     return result
 

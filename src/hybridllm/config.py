@@ -368,6 +368,8 @@ class SamplingParams:
     prompt token but the first. Log-probabilities are the float32 log-softmax of the model's
     logits, before any penalty or filter.
     ``structured`` constrains the output to a JSON schema (None: free text).
+    ``speculative``: False decodes this request without speculation even when the engine
+    speculates (``--spec``); speculation never changes what is generated, only how fast.
     """
 
     max_tokens: int = 128
@@ -386,6 +388,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -488,6 +491,61 @@ class EngineConfig:
 
 
 KV_STRATEGIES = ("dynamic", "offloaded", "quantized", "tiered", "host")
+SPEC_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes tokens for the model to verify, and how many. Field
+    names equal the ``LLM`` keyword arguments (the CLI's flags in snake case).
+
+    Attributes:
+        spec: "none", "ngram" (the continuation of the longest recent match of the last n tokens
+            in the prompt and the text so far, n from ``spec_ngram_max`` down to
+            ``spec_ngram_min``) or "draft" (a smaller model, ``model_draft``; giving
+            ``model_draft`` alone means "draft", as llama.cpp's ``-md``).
+        spec_ngram_max, spec_ngram_min: the n-gram lengths matched, longest first.
+        draft_max: most tokens proposed per step (llama.cpp's ``--draft-max``).
+        draft_min: fewest tokens worth a verification: a shorter proposal is dropped (``--draft-min``).
+        model_draft: the draft model (a GGUF file or a Hugging Face folder; the target's vocabulary).
+        n_gpu_layers_draft: the draft model's layers on the device (``-ngld``; None: all, as the target's default).
+    """
+
+    spec: str = "none"
+    spec_ngram_max: int = 4
+    spec_ngram_min: int = 2
+    draft_max: int = 16
+    draft_min: int = 0
+    model_draft: str | None = None
+    n_gpu_layers_draft: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.spec not in SPEC_METHODS:
+            raise ConfigError(f"--spec must be one of {', '.join(SPEC_METHODS)}, got {self.spec!r}")
+        if self.spec == "ngram" and self.model_draft is not None:
+            raise ConfigError("--spec ngram drafts without a model; drop --model-draft (or use --spec draft)")
+        if self.spec == "draft" and self.model_draft is None:
+            raise ConfigError("--spec draft needs --model-draft M (a smaller model with the same vocabulary)")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ConfigError(f"--spec-ngram-min ({self.spec_ngram_min}) and --spec-ngram-max "
+                              f"({self.spec_ngram_max}) must satisfy 1 <= min <= max")
+        if self.spec_ngram_max > 64:
+            raise ConfigError(f"--spec-ngram-max must be at most 64, got {self.spec_ngram_max}")
+        if not 1 <= self.draft_max <= 128:
+            raise ConfigError(f"--draft-max must be in 1..128, got {self.draft_max}")
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise ConfigError(f"--draft-min must be in 0..--draft-max ({self.draft_max}), got {self.draft_min}")
+        if self.n_gpu_layers_draft is not None and self.model_draft is None:
+            raise ConfigError("--n-gpu-layers-draft (-ngld) places the draft model's layers; it needs --model-draft")
+
+    @property
+    def method(self) -> str:
+        """What proposes the tokens: "none", "ngram" or "draft" (``model_draft`` given)."""
+        return "draft" if self.model_draft is not None else self.spec
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from hybridllm.config import EngineConfig, PrefixCacheConfig, SamplingParams
+from hybridllm.config import EngineConfig, PrefixCacheConfig, SamplingParams, SpeculativeConfig
 from hybridllm.engine.llm_engine import GenerationResult, LLMEngine, StreamEvent
 from hybridllm.engine.prefix import build_prefix_cache
 from hybridllm.errors import ConfigError
@@ -67,6 +67,14 @@ class LLM:
         prefix_cache_disk: a directory for the prefix cache's disk tier (survives restarts).
         prefix_cache_disk_size: bytes of page files allowed on disk (default 8 GiB).
         prefix_cache_vram: device memory for the hottest reusable pages (default 0: none).
+        spec: speculative decoding: "none", "ngram" (proposals from the prompt and the text so
+            far) or "draft" (``model_draft`` proposes); the text is the same, only faster where
+            proposals are accepted (see :class:`~hybridllm.config.SpeculativeConfig`).
+        spec_ngram_max, spec_ngram_min: the n-gram lengths ``spec="ngram"`` matches, longest first.
+        draft_max, draft_min: most tokens proposed per step; fewest worth a verification.
+        model_draft: a draft model (GGUF file or Hugging Face folder) with this model's vocabulary;
+            giving it turns speculation on (llama.cpp's ``-md``).
+        n_gpu_layers_draft: the draft model's layers on ``device`` (llama.cpp's ``-ngld``; None: all).
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -93,15 +101,28 @@ class LLM:
         prefix_cache_disk: str | os.PathLike | None = None,
         prefix_cache_disk_size: str | int | None = None,
         prefix_cache_vram: str | int | None = None,
+        spec: str = "none",
+        spec_ngram_max: int = SpeculativeConfig.spec_ngram_max,
+        spec_ngram_min: int = SpeculativeConfig.spec_ngram_min,
+        draft_max: int = SpeculativeConfig.draft_max,
+        draft_min: int = SpeculativeConfig.draft_min,
+        model_draft: str | os.PathLike | None = None,
+        n_gpu_layers_draft: int | None = None,
         **kv_options: Any,
     ) -> None:
         engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads,
                                      ctx_size=ctx_size)
         options = BuildOptions(fuse=fuse, decode_backend=resolve_decode_backend(decode_backend, native_decode, compile),
                                show_progress=show_progress)
+        speculative = SpeculativeConfig(spec=spec, spec_ngram_max=spec_ngram_max, spec_ngram_min=spec_ngram_min,
+                                        draft_max=draft_max, draft_min=draft_min,
+                                        model_draft=None if model_draft is None else os.fspath(model_draft),
+                                        n_gpu_layers_draft=n_gpu_layers_draft)
         checkpoint = open_checkpoint(model)
+        if speculative.model_draft is not None:
+            open_checkpoint(speculative.model_draft)  # a missing draft model fails before the slow load
         chosen = resolve_placement(checkpoint.config.n_layers, placement, n_gpu_layers, decode_on, weights, kv_options)
-        self.runtime = build_runtime(checkpoint, engine_config, chosen, options)
+        self.runtime = build_runtime(checkpoint, engine_config, chosen, options, speculative)
         prefix_config = PrefixCacheConfig.parse(prefix_cache_ram, prefix_cache_disk, prefix_cache_disk_size,
                                                 total_ram=psutil.virtual_memory().total, vram=prefix_cache_vram)
         self.prefix_cache = build_prefix_cache(self.runtime, prefix_config)
@@ -127,6 +148,11 @@ class LLM:
     @property
     def kv_config(self):
         return self.runtime.kv_config
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        """Speculative decoding's settings (``spec="none"``: off)."""
+        return self.runtime.speculative
 
     @property
     def tokenizer(self):

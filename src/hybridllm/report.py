@@ -33,6 +33,7 @@ def print_metrics(metrics: dict[str, Any], cold_start: ColdStart | None = None, 
                       f"tokenizer {_seconds(cold_start.tokenizer_s)}"
                       + (f", host copy {_seconds(cold_start.host_copy_s)}" if cold_start.host_copy_s else "")
                       + (f", decode backend {_seconds(cold_start.compile_s)}" if cold_start.compile_s else "")
+                      + (f", draft model {_seconds(cold_start.draft_s)}" if cold_start.draft_s else "")
                       + ")")
     table.add_row("prompt tokens", str(metrics["prompt_tokens"]))
     table.add_row("generated tokens", str(metrics["generated_tokens"]))
@@ -40,6 +41,11 @@ def print_metrics(metrics: dict[str, Any], cold_start: ColdStart | None = None, 
     table.add_row("prefill", _rate(metrics["prefill_tps"]))
     table.add_row("decode", _rate(metrics["decode_tps"]))
     table.add_row("TPOT mean / p50 / p99", " / ".join(_seconds(metrics[k]) for k in ("tpot_mean_s", "tpot_p50_s", "tpot_p99_s")))
+    if metrics.get("spec_method", "none") != "none":
+        rate = metrics["spec_acceptance_rate"]
+        table.add_row(f"speculative ({metrics['spec_method']}): accepted / proposed",
+                      f"{metrics['spec_accepted_tokens']} / {metrics['spec_draft_tokens']} tokens"
+                      + ("" if rate is None else f" ({100 * rate:.0f} %)") + f" in {metrics['spec_drafts']} drafts")
     table.add_row("peak host RSS", format_bytes(metrics["peak_host_bytes"]))
     table.add_row("peak device memory", format_bytes(metrics["peak_device_bytes"]))
     if "kv_bytes" in metrics:

@@ -27,12 +27,14 @@ class ColdStart:
     tokenizer_s: float = 0.0
     host_copy_s: float = 0.0  # --decode-on host: the host copy of the device weights
     compile_s: float = 0.0  # the decode backend: native kernel build + weight copies, torch.compile warm-up
+    draft_s: float = 0.0  # --model-draft: the draft model's whole load
     bytes_read: int = 0
 
     @property
     def total_s(self) -> float:
         """Seconds of the whole load, every phase summed."""
-        return self.read_s + self.dequantize_s + self.to_device_s + self.tokenizer_s + self.host_copy_s + self.compile_s
+        return (self.read_s + self.dequantize_s + self.to_device_s + self.tokenizer_s + self.host_copy_s
+                + self.compile_s + self.draft_s)
 
     def to_dict(self) -> dict[str, float]:
         """The phases and ``total_s``, as the CLI's ``--json`` prints them."""

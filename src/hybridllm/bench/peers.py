@@ -2,7 +2,9 @@
 
 - llama.cpp through ``llama-cpp-python`` on the same GGUF file: ``Llama.generate`` with a
   greedy sampler, the time to its first token is the prefill, the intervals between the next
-  tokens the decode. The KV cache is cleared before each run (no prompt reuse).
+  tokens the decode. The KV cache is cleared before each run (no prompt reuse). ``spec="ngram"``
+  runs it with llama-cpp-python's prompt lookup (``LlamaPromptLookupDecoding`` with its default
+  ``max_ngram_size=2, num_pred_tokens=10``, the way its documentation shows it).
 - Hugging Face transformers on the same weights (the GGUF file dequantized by transformers, the
   same Hugging Face folder, or the same random weights), with ``DynamicCache``, its offloading
   variant and ``QuantizedCache`` where the installed version offers them. A manual greedy
@@ -29,6 +31,7 @@ import torch
 
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, synthetic_prompt_ids
 from hybridllm.bench.sweep import BenchConfig
+from hybridllm.bench.workloads import workload_prompt_ids
 from hybridllm.config import parse_dtype
 from hybridllm.engine.metrics import HostPeakMemory
 from hybridllm.timing import synchronize
@@ -54,6 +57,8 @@ def _our_prompt(config: BenchConfig, n_tokens: int, vocab_size: int) -> list[int
     from hybridllm.loading.registry import open_checkpoint
 
     tokenizer = open_checkpoint(config.model).tokenizer()
+    if config.workload is not None:
+        return workload_prompt_ids(config.workload, tokenizer)
     return prompt_ids(tokenizer.encode, n_tokens)
 
 
@@ -88,16 +93,30 @@ class LlamaCppRunner:
         kv_name = config.kv_cache if config.kv_cache in self.KV_TYPES else "f16"  # our strategy names: its default
         kv_type, self.kv_bytes_per_element = self.KV_TYPES[kv_name]
         kv = {} if kv_name == "f16" else {"type_k": kv_type, "type_v": kv_type, "flash_attn": True}
+        if config.spec not in ("none", "ngram"):
+            raise PeerUnavailable(f"llama-cpp-python has no {config.spec!r} speculation here (prompt lookup only)")
+        draft, headroom = {}, 0
+        if config.spec == "ngram":
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            lookup = LlamaPromptLookupDecoding()
+            # its proposals need room in n_ctx; logits_all=True as a draft model forces it anyway (0.3.36 sizes
+            # its scores buffer from the argument, too small for a prompt longer than n_batch otherwise)
+            draft, headroom = {"draft_model": lookup, "logits_all": True}, lookup.num_pred_tokens + 1
         self.llm = llama_cpp.Llama(
-            model_path=str(path), n_ctx=config.context + config.new_tokens, n_batch=config.prefill_chunk,
-            n_gpu_layers=self.n_gpu_layers, seed=config.seed, verbose=False, **threads, **kv,
+            model_path=str(path), n_ctx=config.context + config.new_tokens + headroom, n_batch=config.prefill_chunk,
+            n_gpu_layers=self.n_gpu_layers, seed=config.seed, verbose=False, **threads, **kv, **draft,
         )
         self.weight_bytes = path.stat().st_size
+        self.workload = config.workload
         self.variant = (f"llama-cpp-python {_version('llama_cpp_python')}" + ("" if self.gpu else " (CPU)")
-                        + ("" if kv_name == "f16" else f", {kv_name} KV, flash attention"))
+                        + ("" if kv_name == "f16" else f", {kv_name} KV, flash attention")
+                        + (", LlamaPromptLookupDecoding" if draft else ""))
         self.memory = HostPeakMemory()
 
     def prompt(self, n_tokens: int) -> list[int]:
+        if self.workload is not None:
+            return workload_prompt_ids(self.workload, self._tokenizer)
         return prompt_ids(self._tokenizer.encode, n_tokens)
 
     def run(self, prompt: Sequence[int], new_tokens: int) -> dict[str, Any]:
@@ -105,10 +124,13 @@ class LlamaCppRunner:
         gpu_used = _GpuUsage() if self.gpu else None
         self.memory.reset()
         stamps: list[float] = []
+        stop_ids = set(self._tokenizer.eos_token_ids) if self.workload is not None else set()  # as ours
         start = time.perf_counter()
-        for _token in self.llm.generate(list(prompt), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                        reset=True):
+        for token in self.llm.generate(list(prompt), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                       reset=True):
             stamps.append(time.perf_counter())
+            if token in stop_ids:
+                break
             self.memory.sample()
             if gpu_used is not None:
                 gpu_used.sample()
@@ -235,7 +257,11 @@ class TransformersRunner:
             start = time.perf_counter()
             token = self._forward(ids, cache)
             stamps = [time.perf_counter()]
+            eos = self.model.generation_config.eos_token_id
+            stop_ids = set(eos if isinstance(eos, list) else [eos]) - {None} if self.config.workload else set()
             for _ in range(new_tokens - 1):
+                if token in stop_ids:  # a workload stops at the end of sequence, as ours
+                    break
                 token = self._forward(torch.tensor([[token]], device=self.device), cache)
                 stamps.append(time.perf_counter())
                 self.memory.sample()

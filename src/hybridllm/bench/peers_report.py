@@ -52,9 +52,7 @@ def print_peers(rows: Sequence[dict[str, Any]]) -> None:
 
 
 def table_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    cells, notes = records(rows)
-    text = report.markdown(HEADERS, cells)
-    return text + ("\n\n" + "\n".join(f"[{i}] {n}" for i, n in enumerate(notes, 1)) if notes else "")
+    return report.markdown_with_notes(HEADERS, *records(rows))
 
 
 def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: dict[str, Any]) -> str:
@@ -68,22 +66,14 @@ def section(rows: Sequence[dict[str, Any]], machine: dict[str, Any], settings: d
     """
     versions = ", ".join(f"{k} {machine.get(k)}" for k in ("torch", "transformers", "llama-cpp-python"))
     variants = sorted({f"{r['engine']}: {r['variant']}" for r in rows if r.get("variant")})
-    load_start, load_end = settings.get("load_average") or (float("nan"), float("nan"))
-    started = str(settings.get("started", "?")).replace("T", " ")[:16]
     lines = [
         HEADING.format(threads=settings.get("threads")),
         "",
-        f"Measured {started} UTC with:",
-        "",
-        "```",
-        str(settings.get("command", "")),
-        "```",
-        "",
+        *report.measured_with(settings),
         (f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_bytes'] / 2**30:.0f} GiB RAM, "
          f"{'GPU ' + machine['gpu'] if machine['gpu'] else 'no GPU'}; {machine['os']}"),
         f"- software: Python {machine['python']}, {versions}",
-        (f"- 1-minute load average of the machine (other work included): {load_start:.2f} at the start, "
-         f"{load_end:.2f} at the end"),
+        report.load_line(settings),
         (f"- model: {rows[0]['model'] if rows else '?'}; {settings.get('threads')} threads for every engine; "
          f"{settings.get('new_tokens')} new tokens, greedy, end-of-sequence ignored; median of "
          f"{settings.get('repeat')} run(s) after a warm-up (± is half the spread); each configuration in its own "

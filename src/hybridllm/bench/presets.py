@@ -71,6 +71,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "new_tokens": 64,
         "repeat": 3,
     },
+    # Speculative decoding on input-grounded prompts and free-form chat (hybridllm.bench.workloads,
+    # hybridllm.bench.spec_report): ours without and with --spec ngram, llama-cpp-python without and
+    # with LlamaPromptLookupDecoding, on the same file, prompt ids and threads, in one sweep; then
+    # `serve` without and with --spec ngram under 16 concurrent chat requests (hybridllm.bench.spec_serve,
+    # --repeat bursts each, at most serve_new_tokens new tokens per request).
+    "spec": {
+        "workloads": ["rewrite", "quote", "chat"],
+        "specs": ["none", "ngram"],
+        "kv_caches": ["dynamic"],
+        "decode_ons": [None],
+        "baselines": ["llama.cpp"],
+        "new_tokens": 768,
+        "repeat": 3,
+        "weights": "auto",
+        "serve_concurrency": 16,
+        "serve_new_tokens": 128,
+    },
     # What the prefix cache saves a chat (hybridllm.bench.multi_turn): a ~4K-token system prompt and
     # --turns user turns, TTFT per turn with the prefix cache off and on, and a restart from disk.
     "multi-turn": {
@@ -91,6 +108,9 @@ DEFAULTS: dict[str, Any] = {
     "baselines": [],
     "new_tokens": 128,
     "repeat": 3,
+    "specs": ["none"],
+    "workloads": None,  # None: the synthetic prompt of each --prompt-tokens length
+    "serve_concurrency": 0,  # > 0: after the sweep, serve without and with --spec ngram under that many requests
 }
 
 
@@ -116,11 +136,24 @@ def build_preset_grid(settings: dict[str, Any], **common: Any) -> list:
     """
     from hybridllm.bench.sweep import build_grid
 
+    if settings.get("workloads"):  # named prompts: each its own length (our tokenizer's) and answer cap
+        from hybridllm.bench.workloads import MAX_NEW_TOKENS
+
+        return [config for workload in settings["workloads"]
+                for config in build_grid([workload_length(workload, common)], settings["kv_caches"],
+                                         settings["decode_ons"], settings["n_gpu_layers"], settings["baselines"],
+                                         specs=settings["specs"], workload=workload,
+                                         **{**common, "new_tokens": min(common["new_tokens"],
+                                                                        MAX_NEW_TOKENS[workload])})]
     if not settings.get("kv_variants"):
         return build_grid(settings["contexts"], settings["kv_caches"], settings["decode_ons"],
-                          settings["n_gpu_layers"], settings["baselines"], **common)
+                          settings["n_gpu_layers"], settings["baselines"], specs=settings["specs"], **common)
     from hybridllm.bench.kv_strategies import KV_VARIANTS, build_variant_grid
 
+    if settings["specs"] != ["none"]:
+        from hybridllm.errors import ConfigError
+
+        raise ConfigError("--preset kv measures the KV strategies without speculation; drop --spec")
     variants = [v for v in settings["kv_variants"] if KV_VARIANTS[v][0] in settings["kv_caches"]]
     ours = build_variant_grid(settings["contexts"], variants, settings["decode_ons"], settings["n_gpu_layers"],
                               long_context=settings.get("long_context", "skip"), **common)
@@ -128,3 +161,14 @@ def build_preset_grid(settings: dict[str, Any], **common: Any) -> list:
                        settings["baselines"], include_ours=False,
                        llama_cpp_caches=settings.get("llama_cpp_caches", ("f16",)), **common)
     return sorted(ours + peers, key=lambda config: config.context)  # stable: ours first at each context
+
+
+def workload_length(workload: str, common: dict[str, Any]) -> int:
+    """The prompt tokens of a named workload for the sweep's model (our tokenizer of it)."""
+    from hybridllm.bench.sweep import BenchConfig
+    from hybridllm.bench.workloads import workload_prompt_ids
+    from hybridllm.errors import ConfigError
+
+    if common.get("random_weights"):
+        raise ConfigError("the named workloads are text: they need a model with a tokenizer, not --random-weights")
+    return len(workload_prompt_ids(workload, BenchConfig(**common).checkpoint().tokenizer()))

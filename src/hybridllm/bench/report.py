@@ -156,6 +156,24 @@ def markdown(headers: Sequence[str], records: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_with_notes(headers: Sequence[str], records: Sequence[Sequence[str]], notes: Sequence[str]) -> str:
+    """A Markdown table followed by its numbered notes (the rows that are not "ok")."""
+    text = markdown(headers, records)
+    return text + ("\n\n" + "\n".join(f"[{i}] {n}" for i, n in enumerate(notes, 1)) if notes else "")
+
+
+def measured_with(settings: dict[str, Any]) -> list[str]:
+    """The opening lines of a docs/benchmarks.md section: when (``started``, UTC) and the ``command``."""
+    started = str(settings.get("started", "?")).replace("T", " ")[:16]
+    return [f"Measured {started} UTC with:", "", "```", str(settings.get("command", "")), "```", ""]
+
+
+def load_line(settings: dict[str, Any]) -> str:
+    """The machine's 1-minute load average at the start and the end of a sweep (``load_average``)."""
+    start, end = settings.get("load_average") or (float("nan"), float("nan"))
+    return f"- 1-minute load average of the machine (other work included): {start:.2f} at the start, {end:.2f} at the end"
+
+
 def print_table(headers: Sequence[str], records: Sequence[Sequence[str]], notes: Sequence[str] = (),
                 title: str | None = None, console: Console | None = None) -> None:
     """Print a Markdown table: with rich on a terminal, as plain Markdown text otherwise."""
@@ -184,8 +202,7 @@ def print_summary(rows: Sequence[dict[str, Any]], console: Console | None = None
 
 def summary_markdown(rows: Sequence[dict[str, Any]]) -> str:
     records, notes = summary_records(rows)
-    text = markdown(SUMMARY_HEADERS, records)
-    return text + ("\n\n" + "\n".join(f"[{i}] {n}" for i, n in enumerate(notes, 1)) if notes else "")
+    return markdown_with_notes(SUMMARY_HEADERS, records, notes)
 
 
 # ---- the study's layout ---------------------------------------------------------------------------

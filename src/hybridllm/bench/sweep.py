@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 ENGINES = ("hybridllm", "llama.cpp", "transformers")
 BASELINES = ("llama.cpp", "transformers")
 DECODE_ON = ("device", "host")
+SPECS = ("none", "ngram", "draft")  # speculative decoding (bench --spec)
+PEER_SPECS = {"llama.cpp": ("none", "ngram"), "transformers": ("none",)}  # what each peer runs
 STATUSES = ("ok", "error", "oom", "timeout", "skipped")
 # Our strategies that transformers has an equivalent of (DynamicCache, offloading, QuantizedCache).
 HF_CACHES = ("dynamic", "offloaded", "quantized")
@@ -65,7 +67,13 @@ class BenchConfig:
         prefill_chunk: prompt tokens per forward of our engine (llama.cpp's ``n_batch``).
         weights: our engine's weight mode ("float", "auto", "int8", "int4"; None: its default).
         llm_options: more ``LLM`` keyword arguments for our engine (a ``placement`` file, the speed
-            options ``fuse``, ``native_decode``, ``compile``, ``decode_backend``).
+            options ``fuse``, ``native_decode``, ``compile``, ``decode_backend``, speculative
+            decoding's ``draft_max``, ``model_draft`` ...).
+        spec: speculative decoding: "none", "ngram" (ours: ``--spec ngram``; llama.cpp:
+            llama-cpp-python's ``LlamaPromptLookupDecoding``) or "draft" (ours: ``--model-draft``).
+        workload: a named chat prompt (``hybridllm.bench.workloads``: rewrite, quote, chat) instead of
+            the synthetic prompt of ``context`` tokens (``context`` is then its length); generation
+            stops at the end of sequence.
     """
 
     engine: str = "hybridllm"
@@ -86,6 +94,8 @@ class BenchConfig:
     prefill_chunk: int = 512
     weights: str | None = None
     llm_options: dict[str, Any] = field(default_factory=dict)
+    spec: str = "none"
+    workload: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -96,6 +106,12 @@ class BenchConfig:
             raise ConfigError(f"decode_on must be one of {', '.join(DECODE_ON)}, got {self.decode_on!r}")
         if self.model is not None and self.random_weights is not None:
             raise ConfigError("give either a model or --random-weights, not both")
+        if self.spec not in SPECS:
+            raise ConfigError(f"--spec must be one of {', '.join(SPECS)}, got {self.spec!r}")
+        if self.workload is not None:
+            from hybridllm.bench.workloads import check_workload
+
+            check_workload(self.workload)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -135,7 +151,7 @@ class BenchConfig:
         """What stays the same along the context axis (one line of a plot)."""
         return (self.engine, self.model, self.random_weights, self.kv_cache, self.decode_on, self.n_gpu_layers,
                 self.new_tokens, json.dumps(self.kv_options, sort_keys=True),
-                json.dumps(self.llm_options, sort_keys=True))
+                json.dumps(self.llm_options, sort_keys=True), self.spec, self.workload)
 
     def label(self) -> str:
         parts = [self.engine, self.kv_cache]
@@ -143,6 +159,10 @@ class BenchConfig:
             parts.append(f"decode on {self.decode_on}")
         if self.n_gpu_layers is not None:
             parts.append(f"ngl {self.n_gpu_layers}")
+        if self.spec != "none":
+            parts.append(f"spec {self.spec}")
+        if self.workload is not None:
+            parts.append(f"{self.workload} prompt")
         parts.append(f"ctx {self.context}")
         return " / ".join(parts)
 
@@ -183,6 +203,13 @@ def base_row(config: BenchConfig) -> dict[str, Any]:
         "decode_weight_bytes": None,
         "load_s": None,
         "wall_s": None,
+        "spec": config.spec,
+        "workload": config.workload,
+        "generated_tokens": None,
+        "spec_drafts": None,  # ours: verified proposals, proposed and accepted tokens (llama-cpp-python reports none)
+        "spec_draft_tokens": None,
+        "spec_accepted_tokens": None,
+        "spec_acceptance_rate": None,
     }
 
 
@@ -235,14 +262,15 @@ def build_grid(
     baselines: Sequence[str] = (),
     include_ours: bool = True,
     llama_cpp_caches: Sequence[str] = (LLAMA_CPP_CACHE,),
+    specs: Sequence[str] = ("none",),
     **common: Any,
 ) -> list[BenchConfig]:
     """Every configuration of the sweep, by context (smallest first), then engine and strategy.
 
-    Our engine gets one configuration per (strategy, decode_on, n_gpu_layers). llama.cpp gets one
-    per (KV type of ``llama_cpp_caches``, n_gpu_layers); transformers one per cache kind among
-    ``kv_caches`` that it has (dynamic, offloaded, quantized), or its DynamicCache when none of
-    them maps.
+    Our engine gets one configuration per (strategy, decode_on, n_gpu_layers, spec). llama.cpp gets
+    one per (KV type of ``llama_cpp_caches``, n_gpu_layers, spec it runs: none, ngram);
+    transformers one per cache kind among ``kv_caches`` that it has (dynamic, offloaded,
+    quantized), or its DynamicCache when none of them maps, without speculation.
     """
     for name in llama_cpp_caches:
         if name not in LLAMA_CPP_CACHES:
@@ -252,6 +280,9 @@ def build_grid(
     for name in baselines:
         if name not in BASELINES:
             raise ConfigError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    for name in specs:
+        if name not in SPECS:
+            raise ConfigError(f"unknown --spec value {name!r}; choose from {', '.join(SPECS)}")
     hf_caches = [k for k in kv_caches if k in HF_CACHES] or ["dynamic"]
     grid: list[BenchConfig] = []
     for context in sorted(set(contexts)):
@@ -259,13 +290,15 @@ def build_grid(
             for kv in kv_caches:
                 for decode_on in decode_ons:
                     for layers in n_gpu_layers:
-                        grid.append(BenchConfig(engine="hybridllm", context=context, kv_cache=kv,
-                                                decode_on=decode_on, n_gpu_layers=layers, **common))
+                        for spec in specs:
+                            grid.append(BenchConfig(engine="hybridllm", context=context, kv_cache=kv,
+                                                    decode_on=decode_on, n_gpu_layers=layers, spec=spec, **common))
         if "llama.cpp" in baselines:
             for kv in llama_cpp_caches:
                 for layers in n_gpu_layers:
-                    grid.append(BenchConfig(engine="llama.cpp", context=context, kv_cache=kv, n_gpu_layers=layers,
-                                            **common))
+                    for spec in [s for s in specs if s in PEER_SPECS["llama.cpp"]] or ["none"]:
+                        grid.append(BenchConfig(engine="llama.cpp", context=context, kv_cache=kv, n_gpu_layers=layers,
+                                                spec=spec, **common))
         if "transformers" in baselines:
             for kv in hf_caches:
                 grid.append(BenchConfig(engine="transformers", context=context, kv_cache=kv, **common))

@@ -21,6 +21,7 @@ import torch
 
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, summarize, synthetic_prompt_ids
 from hybridllm.bench.sweep import ROW_MARKER, BenchConfig, base_row
+from hybridllm.bench.workloads import workload_prompt_ids
 from hybridllm.config import KVConfig, ModelConfig, parse_dtype
 from hybridllm.hardware import memory_totals
 from hybridllm.kvcache.base import KVSpec
@@ -31,6 +32,7 @@ WARMUP_PROMPT_TOKENS = 16
 WARMUP_NEW_TOKENS = 2
 MEMORY_MARGIN = 1.10  # predicted bytes x this must fit in the available RAM
 _OOM_TEXT = ("out of memory", "can't allocate memory", "Cannot allocate memory", "bad_alloc")
+SPEC_FIGURES = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_acceptance_rate")
 
 
 class Runner(Protocol):
@@ -53,6 +55,10 @@ class HybridRunner:
         options: dict[str, Any] = {**config.llm_options, **config.kv_options}
         options.update(device=config.device, dtype=config.dtype, threads=config.threads,
                        prefill_chunk=config.prefill_chunk, kv_cache=config.kv_cache)
+        if config.spec != "draft":  # --model-draft in llm_options means spec "draft"
+            options.pop("model_draft", None)
+            options.pop("n_gpu_layers_draft", None)
+            options["spec"] = config.spec
         if config.decode_on not in (None, "device"):  # decoding on the device is the engine's default
             options["decode_on"] = config.decode_on
         if config.n_gpu_layers is not None:
@@ -61,9 +67,12 @@ class HybridRunner:
             options["weights"] = config.weights
         self.random = bool(config.random_weights)
         self.seed = config.seed
+        self.workload = config.workload
         self.llm = LLM(model=config.checkpoint(), show_progress=False, **options)
 
     def prompt(self, n_tokens: int) -> list[int]:
+        if self.workload is not None:
+            return workload_prompt_ids(self.workload, self.llm.tokenizer)
         if self.random:
             return synthetic_prompt_ids(self.llm.config.vocab_size, n_tokens, self.seed)
         return prompt_ids(self.llm.tokenizer.encode, n_tokens)
@@ -71,7 +80,8 @@ class HybridRunner:
     def run(self, prompt: Sequence[int], new_tokens: int) -> dict[str, Any]:
         from hybridllm.config import SamplingParams
 
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        # a workload stops at the end of sequence, as a user's request; the synthetic prompt generates new_tokens
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=self.workload is None)
         metrics = self.llm.generate(list(prompt), params).metrics
         figures = RunRecord(
             prompt_tokens=metrics["prompt_tokens"],
@@ -91,6 +101,8 @@ class HybridRunner:
         figures["weight_bytes"] = metrics.get("weight_bytes")
         figures["decode_weight_bytes"] = metrics.get("decode_weight_bytes")
         figures["kv_attention"] = self.llm.runtime.kv_attention
+        for key in SPEC_FIGURES:
+            figures[key] = metrics[key]
         return figures
 
 
@@ -144,6 +156,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
     prompt = runner.prompt(config.context)
     if len(prompt) != config.context:
         raise RuntimeError(f"built a prompt of {len(prompt)} tokens instead of {config.context}")
+    # (a workload's context is its prompt's length, taken with the same tokenizer when the grid was built)
     if config.warmup:
         runner.run(prompt[:min(WARMUP_PROMPT_TOKENS, len(prompt))], WARMUP_NEW_TOKENS)
     runs = [runner.run(prompt, config.new_tokens) for _ in range(config.repeat)]
@@ -152,7 +165,8 @@ def measure(config: BenchConfig) -> dict[str, Any]:
             "weight_bytes": runs[0].get("weight_bytes") or {"device": None, "host": None},
             "decode_weight_bytes": runs[0].get("decode_weight_bytes"),
             "kv_pages_moved": runs[0].get("kv_pages_moved"), "bus_bytes_detail": runs[0].get("bus_bytes_detail"),
-            "kv_attention": runs[0].get("kv_attention"), "runs": runs}
+            "kv_attention": runs[0].get("kv_attention"), "runs": runs,
+            **{key: runs[0].get(key) for key in SPEC_FIGURES}}  # greedy: every run proposes the same
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:

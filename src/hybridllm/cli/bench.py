@@ -20,9 +20,11 @@ from hybridllm.cli.options import (
     KV_PANEL,
     MODEL_PANEL,
     PLACEMENT_PANEL,
+    SPEC_PANEL,
     KVOptions,
     ModelOptions,
     PlacementOptions,
+    SpeculativeOptions,
     SpeedOptions,
     changed,
     with_option_groups,
@@ -61,6 +63,17 @@ def prompt_lengths_flag(prompt_tokens: str | None, old_spelling: str | None) -> 
     return old_spelling
 
 
+def _kernel_isa() -> str | None:
+    """The native kernels' instruction set here (None where they do not build)."""
+    from hybridllm.kernels.abi import kernel_isa
+    from hybridllm.kernels.build import KernelBuildError
+
+    try:
+        return kernel_isa()
+    except KernelBuildError:
+        return None
+
+
 def _scalar(text: str) -> Any:
     for kind in (int, float):
         try:
@@ -70,7 +83,7 @@ def _scalar(text: str) -> Any:
     return None if text.lower() in ("none", "null") else text
 
 
-@with_option_groups(own=("kv_cache", "decode_on", "n_gpu_layers", "ctx_size"))
+@with_option_groups(own=("kv_cache", "decode_on", "n_gpu_layers", "ctx_size", "spec"))
 def bench(
     model: ModelOptions = ModelOptions(device="auto"),
     random_weights: Annotated[Optional[Path], typer.Option("--random-weights", help="A Hugging Face config.json (e.g. configs/llama-3.2-1b.json): that shape with random weights, nothing downloaded.")] = None,
@@ -81,9 +94,11 @@ def bench(
     kv_cache: Annotated[Optional[str], typer.Option("--kv-cache", help="Our KV strategies, comma-separated: dynamic,offloaded,quantized,tiered,host.", rich_help_panel=KV_PANEL)] = None,
     decode_on: Annotated[Optional[str], typer.Option("--decode-on", help="Where decode runs, comma-separated: device,host.", rich_help_panel=PLACEMENT_PANEL)] = None,
     n_gpu_layers: Annotated[Optional[str], typer.Option("--n-gpu-layers", "-ngl", help="Layers on the device, comma-separated (also passed to llama.cpp).", rich_help_panel=PLACEMENT_PANEL)] = None,
+    spec: Annotated[Optional[str], typer.Option("--spec", help="Speculative decoding, comma-separated: none,ngram,draft (ngram: llama.cpp rows use llama-cpp-python's LlamaPromptLookupDecoding; draft: --model-draft).", rich_help_panel=SPEC_PANEL)] = None,
+    workload: Annotated[Optional[str], typer.Option("--workload", help="Named chat prompts instead of --prompt-tokens, comma-separated: rewrite (a ~600-token file given back with a class renamed), quote (a document's paragraph repeated), chat (free-form); greedy, stopping at the end of sequence.")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Peers measured the same way, comma-separated: llama.cpp,transformers (or none).")] = None,
     repeat: Annotated[Optional[int], typer.Option("--repeat", "-r", help="Measured runs per configuration (median and spread reported).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers), speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit), kv (every KV strategy and variant: bytes per tier, bus traffic), planner (the planner's predicted vs measured decode, in this process) or multi-turn (TTFT per chat turn with the prefix cache off and on, and after a restart from disk; --prompt-tokens sets the system prompt, --turns the turns).")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="A named grid: paper (the study's), peers (vs llama.cpp and transformers), speed (peers at 16-8064 tokens, --weights auto, ratio to llama.cpp and fraction of the bandwidth limit), kv (every KV strategy and variant: bytes per tier, bus traffic), planner (the planner's predicted vs measured decode, in this process), spec (speculative decoding: the rewrite, quote and chat workloads without and with --spec ngram, next to llama-cpp-python without and with LlamaPromptLookupDecoding) or multi-turn (TTFT per chat turn with the prefix cache off and on, and after a restart from disk; --prompt-tokens sets the system prompt, --turns the turns).")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the rows as JSON.")] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write the rows as CSV.")] = None,
     plot_out: Annotated[Optional[Path], typer.Option("--plot", help="Write the plots as one PNG.")] = None,
@@ -97,12 +112,14 @@ def bench(
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
+    speculative: SpeculativeOptions = SpeculativeOptions(),
 ) -> None:
-    """Measure prefill and decode over a grid of prompt lengths, KV strategies and placements, and peers."""
-    from hybridllm.bench import kv_strategies, peers_report, presets, report
+    """Measure prefill and decode over a grid of prompt lengths, KV strategies, placements, speculation, and peers."""
+    from hybridllm.bench import kv_strategies, peers_report, presets, report, spec_report
     from hybridllm.bench.sweep import (
         BASELINES,
         DECODE_ON,
+        SPECS,
         BenchConfig,
         model_window,
         parse_contexts,
@@ -110,7 +127,8 @@ def bench(
         parse_names,
         run_sweep,
     )
-    from hybridllm.config import KV_STRATEGIES, EngineConfig, KVConfig, resolve_device
+    from hybridllm.bench.workloads import WORKLOADS
+    from hybridllm.config import KV_STRATEGIES, EngineConfig, KVConfig, SpeculativeConfig, resolve_device
 
     if model.path is not None and random_weights is not None:
         raise ConfigError("give either --model or --random-weights, not both")
@@ -127,9 +145,11 @@ def bench(
         baselines=baselines,
         new_tokens=new_tokens,
         repeat=repeat,
+        specs=parse_names(spec, SPECS, "--spec value") if spec is not None else None,
+        workloads=parse_names(workload, tuple(WORKLOADS), "workload") if workload is not None else None,
     )
     for key, what in (("contexts", "--prompt-tokens"), ("kv_caches", "--kv-cache"), ("decode_ons", "--decode-on"),
-                      ("n_gpu_layers", "--n-gpu-layers")):
+                      ("n_gpu_layers", "--n-gpu-layers"), ("specs", "--spec")):
         if not settings[key]:
             raise ConfigError(f"{what} needs at least one value")
     if settings["new_tokens"] < 1 or settings["repeat"] < 1:
@@ -165,6 +185,13 @@ def bench(
     # is a sweep axis, never in changed(kv).
     kv_options = {**settings.get("kv_options", {}), **_parse_kv_options(kv_opt), **changed(kv)}
     llm_options = changed(speed)
+    spec_options = changed(speculative)  # --spec is the sweep's axis; the other flags go to our engine as they are
+    if spec_options.get("model_draft") is not None:
+        spec_options["model_draft"] = str(spec_options["model_draft"])
+    if "draft" in settings["specs"] and spec_options.get("model_draft") is None:
+        raise ConfigError("--spec draft needs --model-draft M")
+    SpeculativeConfig(**{**spec_options, "spec": "draft" if spec_options.get("model_draft") else "ngram"})
+    llm_options.update(spec_options)
     if ctx_size:
         llm_options["ctx_size"] = ctx_size
     if placement.file is not None:
@@ -204,9 +231,22 @@ def bench(
     started, load_start = dt.datetime.now(dt.UTC), os.getloadavg()[0]
     rows = run_sweep(grid, timeout_s=timeout, progress=True)
 
+    serve_rows: list[dict[str, Any]] = []
+    if settings["serve_concurrency"]:  # --preset spec: the servers after the sweep, one at a time
+        from hybridllm.bench.spec_serve import compare_serving
+
+        serve_args = [*(["--model", str(model.path)] if model.path else []), "--device", device,
+                      *(["--weights", weights] if weights else [])]
+        serve_rows = compare_serving(serve_args, threads, settings["repeat"], settings["serve_concurrency"],
+                                     min(settings["new_tokens"], settings["serve_new_tokens"]))
+
     report.print_summary(rows)
     if preset == "peers":
         peers_report.print_peers(rows)
+    if settings.get("workloads"):
+        spec_report.print_spec(rows)
+    if serve_rows:
+        spec_report.print_serve(serve_rows)
     if preset == "kv":
         kv_strategies.print_kv(rows, {**settings, "threads": threads, "device": device, "dtype": model.dtype,
                                       "kv_options": kv_options})
@@ -229,7 +269,8 @@ def bench(
                 "host_read_gbs": bandwidth_gbs, "device_bandwidth_gbs": device_bandwidth_gbs,
                 "command": shlex.join(["hybridllm", *sys.argv[1:]]),
                 "started": started.isoformat(timespec="seconds"), "load_average": [load_start, os.getloadavg()[0]],
-                "cpu_busy_elsewhere": machine_load.busy_elsewhere, "machine_loaded": machine_load.loaded}
+                "cpu_busy_elsewhere": machine_load.busy_elsewhere, "machine_loaded": machine_load.loaded,
+                "warmup": warmup, "serve": serve_rows}
     if json_out is not None:
         report.write_json(rows, json_out, recorded)
     if csv_out is not None:
@@ -246,6 +287,9 @@ def bench(
             text = peers_report.section(rows, report.machine_info(), recorded)
         if preset == "kv":
             text = kv_strategies.kv_markdown(rows, recorded) + "\n\n" + text
+        if settings.get("workloads"):
+            text = spec_report.section(rows, {**report.machine_info(), "kernel_isa": _kernel_isa()}, recorded,
+                                       serve_rows)
         markdown_out.expanduser().parent.mkdir(parents=True, exist_ok=True)
         markdown_out.write_text(text + "\n")
     if plot_out is not None:

@@ -23,6 +23,7 @@ from hybridllm.cli.options import (
     ModelOptions,
     PlacementOptions,
     PrefixCacheOptions,
+    SpeculativeOptions,
     SpeedOptions,
     load_llm,
     with_option_groups,
@@ -44,6 +45,7 @@ def chat(
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
+    spec: SpeculativeOptions = SpeculativeOptions(),
     prefix: PrefixCacheOptions = PrefixCacheOptions(prefix_cache_ram="auto"),
 ) -> None:
     """Interactive chat that streams tokens. Ctrl-C stops a reply and keeps the conversation; /reset
@@ -52,7 +54,7 @@ def chat(
     from hybridllm.loading.local_models import model_name
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    llm = load_llm(model, placement, kv, speed, prefix)
+    llm = load_llm(model, placement, kv, speed, prefix, spec)
     if not llm.tokenizer.has_chat_template:
         raise ConfigError("this model has no chat template; use `hybridllm generate --no-chat` instead")
     conversation = Conversation(system)

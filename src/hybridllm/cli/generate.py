@@ -13,6 +13,7 @@ from hybridllm.cli.options import (
     ModelOptions,
     PlacementOptions,
     PrefixCacheOptions,
+    SpeculativeOptions,
     SpeedOptions,
     load_llm,
     with_option_groups,
@@ -39,6 +40,7 @@ def generate(
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
+    spec: SpeculativeOptions = SpeculativeOptions(),
     prefix: PrefixCacheOptions = PrefixCacheOptions(),
 ) -> None:
     """Generate a completion and report what each phase cost."""
@@ -55,7 +57,7 @@ def generate(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty, seed=seed, stop=list(stop or []), ignore_eos=ignore_eos,
     )
-    llm = load_llm(model, placement, kv, speed, prefix)
+    llm = load_llm(model, placement, kv, speed, prefix, spec)
     use_chat = llm.tokenizer.has_chat_template if chat is None else chat
     request = [{"role": "user", "content": prompt}] if use_chat else prompt
     result = None

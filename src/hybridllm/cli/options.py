@@ -1,4 +1,4 @@
-"""The options that several commands share, each declared once, in four groups.
+"""The options that several commands share, each declared once, in groups.
 
 A group is a frozen dataclass whose fields carry their typer declaration (``Annotated``), so a
 flag's name, alias, default and help live in one place. A command asks for a group by annotating
@@ -6,8 +6,8 @@ one parameter with the group's class (``kv: KVOptions``); :func:`with_option_gro
 group's flags into the command's signature, where typer reads them, and hands the command one
 instance per group. :func:`llm_kwargs` turns the groups into ``LLM`` keyword arguments.
 
-Every command that loads a model for inference (generate, chat, serve, bench) takes all four
-groups. Commands that need only a few of these flags (eval, plan) use the single aliases.
+Every command that loads a model for inference (generate, chat, serve, bench) takes the five
+inference groups (model, placement, KV, speed, speculative decoding). Commands that need only a few of these flags (eval, plan) use the single aliases.
 
 Heavy modules (torch, the engine) are imported inside functions: ``hybridllm --help`` stays quick.
 """
@@ -24,7 +24,7 @@ import typer
 
 # ---- single flags -----------------------------------------------------------------------------
 MODEL_PANEL, PLACEMENT_PANEL, KV_PANEL, SPEED_PANEL = "Model", "Placement", "KV cache", "Speed"  # --help sections
-PREFIX_PANEL = "Prefix cache"
+PREFIX_PANEL, SPEC_PANEL = "Prefix cache", "Speculative decoding"
 WEIGHTS_HELP = "Weights in memory: float, auto (keep the file's 4/8-bit quantization where a kernel exists), int8 or int4"
 
 Model = Annotated[Optional[Path], typer.Option("--model", "-m", help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M-Instruct).", rich_help_panel=MODEL_PANEL)]
@@ -59,6 +59,13 @@ DecodeBackend = Annotated[str, typer.Option("--decode-backend", help="Decode ste
 PrefixCacheRam = Annotated[str, typer.Option("--prefix-cache-ram", help="Host RAM for KV pages reused across requests (a prompt that repeats an earlier prefix prefills only the rest): a size such as 1GiB, auto (min(2 GiB, 10% of RAM)) or 0 (off).", rich_help_panel=PREFIX_PANEL)]
 PrefixCacheDisk = Annotated[Optional[Path], typer.Option("--prefix-cache-disk", help="Directory for the prefix cache's disk tier: pages pushed out of RAM are kept there and survive a restart (off by default).", rich_help_panel=PREFIX_PANEL)]
 PrefixCacheVram = Annotated[Optional[str], typer.Option("--prefix-cache-vram", help="Device memory for the hottest reusable KV pages (they move to RAM when pushed out), e.g. 1GiB (default: none).", rich_help_panel=PREFIX_PANEL)]
+Spec = Annotated[str, typer.Option("--spec", help="Speculative decoding: none, ngram (propose the continuation of the last matching n-gram of the prompt and the text so far; pays where the answer repeats its input: editing code, rewriting, quoting) or draft (--model-draft proposes). The text is the same; only the speed changes.", rich_help_panel=SPEC_PANEL)]
+SpecNgramMax = Annotated[int, typer.Option("--spec-ngram-max", help="--spec ngram: the longest n-gram matched (tried first).", rich_help_panel=SPEC_PANEL)]
+SpecNgramMin = Annotated[int, typer.Option("--spec-ngram-min", help="--spec ngram: the shortest n-gram matched (shorter matches propose nothing).", rich_help_panel=SPEC_PANEL)]
+DraftMax = Annotated[int, typer.Option("--draft-max", "--draft", "--draft-n", help="Most tokens proposed per step (each sequence adapts its proposals to how many get accepted, up to this).", rich_help_panel=SPEC_PANEL)]
+DraftMin = Annotated[int, typer.Option("--draft-min", "--draft-n-min", help="Fewest tokens worth a verification: shorter proposals are dropped.", rich_help_panel=SPEC_PANEL)]
+ModelDraft = Annotated[Optional[Path], typer.Option("--model-draft", "-md", help="A draft model (GGUF file or Hugging Face folder) with the model's vocabulary: it proposes, the model verifies (turns on --spec draft).", rich_help_panel=SPEC_PANEL)]
+NGpuLayersDraft = Annotated[Optional[int], typer.Option("--n-gpu-layers-draft", "--gpu-layers-draft", "-ngld", help="The draft model's layers on the device (default: all), like llama.cpp's -ngld.", rich_help_panel=SPEC_PANEL)]
 PrefixCacheDiskSize = Annotated[Optional[str], typer.Option("--prefix-cache-disk-size", help="Bytes of page files allowed in --prefix-cache-disk, e.g. 20GiB (default 8GiB).", rich_help_panel=PREFIX_PANEL)]
 
 
@@ -126,7 +133,22 @@ class PrefixCacheOptions:
     prefix_cache_vram: PrefixCacheVram = None
 
 
-INFERENCE_GROUPS: tuple[type, ...] = (ModelOptions, PlacementOptions, KVOptions, SpeedOptions)  # every inference command
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOptions:
+    """Speculative decoding. Field names and defaults equal ``hybridllm.config.SpeculativeConfig``'s
+    (and ``LLM``'s keyword arguments)."""
+
+    spec: Spec = "none"
+    spec_ngram_max: SpecNgramMax = 4
+    spec_ngram_min: SpecNgramMin = 2
+    draft_max: DraftMax = 16
+    draft_min: DraftMin = 0
+    model_draft: ModelDraft = None
+    n_gpu_layers_draft: NGpuLayersDraft = None
+
+
+# every inference command: generate, chat, serve, bench
+INFERENCE_GROUPS: tuple[type, ...] = (ModelOptions, PlacementOptions, KVOptions, SpeedOptions, SpeculativeOptions)
 OPTION_GROUPS: tuple[type, ...] = (*INFERENCE_GROUPS, PrefixCacheOptions)  # the prefix cache: generate, chat, serve
 
 
@@ -197,7 +219,7 @@ def with_option_groups(func: Callable[..., Any] | None = None, *, own: Iterable[
 
 # ---- the LLM they describe --------------------------------------------------------------------
 def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, speed: SpeedOptions,
-               prefix: PrefixCacheOptions | None = None) -> dict[str, Any]:
+               prefix: PrefixCacheOptions | None = None, spec: SpeculativeOptions | None = None) -> dict[str, Any]:
     """``LLM`` keyword arguments of the groups, checked before the slow load.
 
     With a placement file, only the KV flags that differ from their defaults are passed, so they
@@ -206,7 +228,7 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
     Raises:
         ConfigError: a bad value (unknown KV strategy, dtype, device, weights mode ...).
     """
-    from hybridllm.config import EngineConfig, KVConfig, PrefixCacheConfig, resolve_device
+    from hybridllm.config import EngineConfig, KVConfig, PrefixCacheConfig, SpeculativeConfig, resolve_device
     from hybridllm.models.quantized import check_weights_mode
 
     kv_options = dataclasses.asdict(kv)
@@ -229,13 +251,19 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
         PrefixCacheConfig.parse(prefix.prefix_cache_ram, prefix.prefix_cache_disk, prefix.prefix_cache_disk_size,
                                 vram=prefix.prefix_cache_vram)
         options.update(dataclasses.asdict(prefix))
+    if spec is not None:
+        spec_options = dataclasses.asdict(spec)
+        if spec.model_draft is not None:
+            spec_options["model_draft"] = str(spec.model_draft)
+        SpeculativeConfig(**spec_options)
+        options.update(spec_options)
     return options
 
 
 def load_llm(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, speed: SpeedOptions,
-             prefix: PrefixCacheOptions | None = None) -> Any:
+             prefix: PrefixCacheOptions | None = None, spec: SpeculativeOptions | None = None) -> Any:
     """The ``LLM`` the groups describe (validated first: bad flags fail before the slow load)."""
-    options = llm_kwargs(model, placement, kv, speed, prefix)
+    options = llm_kwargs(model, placement, kv, speed, prefix, spec)
     from hybridllm.llm import LLM
 
     return LLM(**options)

@@ -14,6 +14,7 @@ from hybridllm.cli.options import (
     ModelOptions,
     PlacementOptions,
     PrefixCacheOptions,
+    SpeculativeOptions,
     SpeedOptions,
     llm_kwargs,
     with_option_groups,
@@ -41,6 +42,7 @@ def serve(
     placement: PlacementOptions = PlacementOptions(),
     kv: KVOptions = KVOptions(),
     speed: SpeedOptions = SpeedOptions(),
+    spec: SpeculativeOptions = SpeculativeOptions(),
     prefix: PrefixCacheOptions = PrefixCacheOptions(prefix_cache_ram="auto"),
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
@@ -67,12 +69,12 @@ def serve(
 
         if replicas < 1:
             raise ConfigError(f"--replicas must be >= 1, got {replicas}")
-        run_ray_server(llm_kwargs(model, placement, kv, speed, prefix), address=ray_address, replicas=replicas, host=host,
+        run_ray_server(llm_kwargs(model, placement, kv, speed, prefix, spec), address=ray_address, replicas=replicas, host=host,
                        port=port, api_key=api_key, max_batch=max_batch, max_queue=max_queue, host_budget=host_bytes,
                        served_model_name=served_model_name, max_request_bytes=request_bytes,
                        shutdown_grace=shutdown_grace, stream_stall_timeout=stream_stall_timeout)
         return
-    run_server(llm_kwargs(model, placement, kv, speed, prefix), host=host, port=port, api_key=api_key, max_batch=max_batch,
+    run_server(llm_kwargs(model, placement, kv, speed, prefix, spec), host=host, port=port, api_key=api_key, max_batch=max_batch,
                max_queue=max_queue, host_budget=host_bytes, served_model_name=served_model_name, log_level=log_level,
                max_request_bytes=request_bytes, shutdown_grace=shutdown_grace, stream_stall_timeout=stream_stall_timeout)
 
@@ -105,8 +107,9 @@ def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: st
                           prefix_cache=llm.prefix_cache)
     app = create_app(llm, scheduler, model_name=served_model_name, api_key=api_key,
                      max_request_bytes=max_request_bytes, stream_stall_timeout_s=stream_stall_timeout)
+    speculation = "" if not llm.speculative.enabled else f", speculative decoding: {llm.speculative.method}"
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
-               f"KV {scheduler.kv_strategy}, {llm.placement.describe(llm.engine_config.device)})", err=True)
+               f"KV {scheduler.kv_strategy}, {llm.placement.describe(llm.engine_config.device)}{speculation})", err=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace)
     server = GracefulServer(config, app.state.draining, scheduler, grace_s=shutdown_grace)
     server.run()

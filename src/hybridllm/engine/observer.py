@@ -24,5 +24,8 @@ class SchedulerObserver:
     def on_finished(self, seq: SequenceState) -> None:
         """The sequence left (``seq.finish_reason``: stop, length, abort or error); its KV is freed."""
 
+    def on_draft_verified(self, seq: SequenceState, draft_tokens: int, accepted: int) -> None:
+        """A proposal of ``draft_tokens`` tokens was verified; ``accepted`` of them (its first ones) were kept."""
+
     def on_step(self, decode_rows: int, prefill_tokens: int) -> None:
         """A scheduler step ran: ``decode_rows`` sequences decoded, plus prefill tokens."""

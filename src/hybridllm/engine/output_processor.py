@@ -11,7 +11,10 @@ processors and the draw, vectorized over rows), then :meth:`OutputProcessor.appe
 each sequence its tokens: log-probabilities, timing, the stop rules over one or several
 appended tokens (EOS ids, stop strings, the budget, a complete grammar: a sequence stops at the
 first token that ends it), its events and, when it finishes, its metrics, the prefix cache's
-pages and its KV released before its last event is sent.
+pages and its KV released before its last event is sent. A verification row (a decode row with
+a proposal, speculative decoding) gets its verdict (:func:`~hybridllm.engine.verification.verify_draft`),
+its rejected part rolled back (:meth:`~hybridllm.engine.speculator.Speculator.settle`), then its
+tokens appended the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from hybridllm.engine.policies import LoopPolicies
 from hybridllm.engine.request_record import sequence_metrics
 from hybridllm.engine.sampling import Sampler, sample_rows
 from hybridllm.engine.sequence import SeqEvent, SequenceState
+from hybridllm.engine.speculator import Speculator
 from hybridllm.engine.step_plan import ScheduledRow, StepPlan
+from hybridllm.engine.verification import verify_draft
 from hybridllm.errors import HybridLLMError
 from hybridllm.kvcache.base import MemoryLedger
 from hybridllm.timing import synchronize
@@ -50,11 +55,12 @@ class OutputProcessor:
         release: frees a sequence's KV and takes it out of the running set (the scheduler's).
         add_running: puts a forked sequence into the running set (the scheduler's).
         observer: the metrics hooks.
+        speculator: settles verification rows.
     """
 
     def __init__(self, runtime: Any, ledger: MemoryLedger, policies: LoopPolicies,
                  release: Callable[[SequenceState], None], add_running: Callable[[SequenceState], None],
-                 observer: SchedulerObserver) -> None:
+                 observer: SchedulerObserver, speculator: Speculator) -> None:
         self.runtime = runtime
         self.tokenizer = runtime.tokenizer
         self.device = runtime.engine_config.torch_device
@@ -63,12 +69,26 @@ class OutputProcessor:
         self.release = release
         self.add_running = add_running
         self.observer = observer
+        self.speculator = speculator
         self.host_memory = HostPeakMemory()
 
     def prepare(self, seq: SequenceState) -> None:
         """Give a sequence its sampler and its output (text, stop rules, budget)."""
         seq.sampler = Sampler(seq.params, seq.prompt_ids)
         seq.output = RequestOutput(self.tokenizer, seq.params, seq.max_new_tokens)
+
+    def start(self, seq: SequenceState, alone: bool) -> None:
+        """Give an admitted sequence its sampler, stop rules and KV cache on the placed runner
+        (``alone``: nothing else runs, so the peak-memory figures restart with it)."""
+        seq.scheduled_time = time.perf_counter()
+        self.prepare(seq)
+        seq.adopt(self.policies.new_cache(seq, on_host=False), self.runtime.runner)
+        if alone:
+            self.reset_peaks()
+        self.observer.on_scheduled(seq)
+        seq.start_time = time.perf_counter()
+        self.policies.relieve(seq)
+        self.report_actions(seq)
 
     def reset_peaks(self) -> None:
         """Restart the peak-memory figures (process- and ledger-wide: when nothing else runs)."""
@@ -94,6 +114,9 @@ class OutputProcessor:
             self.report_actions(seq)
             if result.error is not None:
                 self.fail(seq, result.error, "prefill failed" if row.is_prompt else "decode failed")
+            elif row.draft:
+                seq.pending = []
+                self._verify(row, result.logits[-len(row.draft) - 1:])
             elif not row.is_prompt:
                 seq.pending = []
                 to_sample.append((seq, result.logits[-1]))
@@ -165,6 +188,25 @@ class OutputProcessor:
             self.append_tokens(seq, [token], raw[i:i + 1])
             if seq.finish_reason is None:
                 seq.pending = [token]
+
+    def _verify(self, row: ScheduledRow, logits: torch.Tensor) -> None:
+        """A verification row's verdict from its logits (k + 1, vocab): the rejected part rolled
+        back, then the accepted tokens and the model's own appended; the last is its pending token."""
+        seq = row.seq
+        try:
+            verdict = verify_draft(logits, row.draft, seq.sampler, seq.grammar)
+            self.speculator.settle(seq, row, verdict)
+        except Exception as exc:
+            self.fail(seq, exc, "structured output" if isinstance(exc, HybridLLMError) else "speculative decoding")
+            return
+        self.observer.on_draft_verified(seq, len(row.draft), verdict.accepted)
+        self.append_tokens(seq, verdict.tokens, logits)
+        if seq.finish_reason is not None:
+            return
+        if not verdict.has_own_token:  # an accepted token completed the grammar: the append ends the sequence
+            self.fail(seq, RuntimeError("a completed grammar did not end the sequence"), "speculative decoding")
+            return
+        seq.pending = [verdict.tokens[-1]]
 
     # ---- appending tokens ------------------------------------------------------------------------
     def append_tokens(self, seq: SequenceState, tokens: Sequence[int], logits: torch.Tensor) -> int:

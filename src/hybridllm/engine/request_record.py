@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybridllm.engine.drafting import SpecStats
 from hybridllm.engine.metrics import RequestMetrics
 from hybridllm.engine.sequence import SequenceState
 
@@ -23,6 +24,8 @@ def sequence_metrics(seq: SequenceState, runtime: Any, peak_host_bytes: int, pea
     bus = {direction: sum(c.bus_bytes[direction] for c in caches) for direction in ("h2d", "d2h")}
     bus["hidden_states"] = seq.hop_bytes
     ttft = None if seq.first_token_time is None else seq.first_token_time - seq.start_time
+    spec_method = runtime.speculative.method if seq.params.speculative else "none"
+    spec_stats = seq.speculation.stats if seq.speculation is not None else SpecStats()
     record = RequestMetrics(
         cold_start_s=runtime.cold_start.total_s,
         prompt_tokens=len(seq.prompt_ids),
@@ -45,6 +48,7 @@ def sequence_metrics(seq: SequenceState, runtime: Any, peak_host_bytes: int, pea
             "weight_bytes": dict(runtime.weight_bytes),
             "decode_weight_bytes": runtime.decode_weight_bytes,
             "weights_format": runtime.weights_format,
+            **spec_stats.to_dict(spec_method),
         },
     )
     return record.to_dict()

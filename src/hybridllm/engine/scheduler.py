@@ -6,10 +6,8 @@ the server runs the loop on its own thread). A step is plan -> execute -> proces
 
 1. plan (here, plain bookkeeping): apply aborts (their KV is freed now); admit waiting requests
    first come first served while ``max_batch`` and the KV budget allow; then a
-   :class:`~hybridllm.engine.step_plan.StepPlan`: every decoding sequence's pending token, and
-   prefill chunks (boundaries at multiples of ``prefill_chunk``), ``prefill_chunk`` prompt tokens
-   at most while sequences decode, ``IDLE_PREFILL_CHUNKS`` chunks' worth while none does; the
-   prefix cache is asked right before a sequence's first chunk;
+   :class:`~hybridllm.engine.step_plan.StepPlan`: every decoding sequence's pending token (and
+   proposal), then prefill chunks (:mod:`hybridllm.engine.prefill_chunks`);
 2. execute (:mod:`hybridllm.engine.executor`): one forward per runner, each row as alone;
 3. process (:mod:`hybridllm.engine.output_processor`): tokens, stop rules, events, metrics.
 
@@ -37,7 +35,9 @@ from hybridllm.engine.output import check_prompt
 from hybridllm.engine.output_processor import OutputProcessor
 from hybridllm.engine.pausing import PausedRequests
 from hybridllm.engine.policies import LoopPolicies
+from hybridllm.engine.prefill_chunks import IDLE_PREFILL_CHUNKS, add_prefill_chunks
 from hybridllm.engine.sequence import SeqEvent, SequenceKV, SequenceState
+from hybridllm.engine.speculator import Speculator
 from hybridllm.engine.step_plan import ScheduledRow, StepPlan
 from hybridllm.engine.structured import GrammarCompiler
 from hybridllm.errors import ConfigError, HybridLLMError
@@ -46,10 +46,6 @@ from hybridllm.kvcache.prefix_cache import PrefixCache
 
 __all__ = ["IDLE_PREFILL_CHUNKS", "AdmissionError", "QueueFullError", "RequestLoopStopped", "Scheduler",
            "SchedulerObserver", "SeqEvent", "SequenceState", "admission_decision", "kv_bytes_needed"]
-
-# Prompt tokens a step may prefill, in chunks, while no sequence is decoding: a burst of requests starts with its
-# prompts prefilled in fewer, larger forwards (the chunks stay ``prefill_chunk`` long: no forward changes).
-IDLE_PREFILL_CHUNKS = 4
 
 
 class RequestLoopStopped(HybridLLMError):
@@ -71,10 +67,8 @@ class Scheduler:
 
     def __init__(self, runtime: Any, max_batch: int = 16, max_queue: int = 256, host_budget: int | None = None,
                  observer: SchedulerObserver | None = None, prefix_cache: PrefixCache | None = None) -> None:
-        if max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1, got {max_batch}")
-        if max_queue < 0:
-            raise ConfigError(f"max_queue must be >= 0, got {max_queue}")
+        if max_batch < 1 or max_queue < 0:
+            raise ConfigError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
         self.runtime, self.tokenizer, self.device = runtime, runtime.tokenizer, runtime.engine_config.torch_device
         self.context_length, self.vocab_size = runtime.context_length, runtime.config.vocab_size
         self.prefill_chunk, self.max_batch, self.max_queue = runtime.engine_config.prefill_chunk, max_batch, max_queue
@@ -97,8 +91,9 @@ class Scheduler:
         self.policies = LoopPolicies(runtime, self.ledger, self.adaptive, prefix_cache)
         self.executor = Executor(self.policies)
         self.decode_batch_sizes = self.executor.decode_batch_sizes  # forwards per number of decode rows
+        self.speculator = Speculator.of(runtime)  # proposals for decode rows (--spec; none without)
         self.processor = OutputProcessor(runtime, self.ledger, self.policies, self._release, self._add_running,
-                                         observer or SchedulerObserver())
+                                         observer or SchedulerObserver(), self.speculator)
 
     @property
     def observer(self) -> SchedulerObserver:
@@ -140,8 +135,7 @@ class Scheduler:
         return seq
 
     def abort(self, request_id: str) -> None:
-        """Drop a request (its client went away): out of the queue now, or its KV freed at the
-        start of the next step."""
+        """Drop a request (its client went away): out of the queue now, or its KV freed next step."""
         with self._cond:
             for seq in self._waiting:
                 if seq.request_id == request_id:
@@ -153,10 +147,8 @@ class Scheduler:
             self._cond.notify()
 
     def pause(self, request_id: str) -> None:
-        """Take a running request out of the batch from the next step on: its sequences get no
-        row in a plan and leave their batch slots to others, but keep their KV until
-        :meth:`resume` (or :meth:`abort`). For a consumer that cannot take more events (a client
-        that stopped reading); safe from any thread, a sink included."""
+        """Take a running request out of the batch from the next step on (its KV kept until
+        :meth:`resume` or :meth:`abort`): for a consumer that cannot take more events; any thread."""
         with self._cond:
             self._paused.pause(request_id)
 
@@ -184,9 +176,7 @@ class Scheduler:
             self.processor.finish_error(seq, stopped, str(stopped))
         self._loop.stopped()
 
-    @property
-    def is_running(self) -> bool:
-        return self._loop.is_running
+    is_running = property(lambda self: self._loop.is_running)
 
     @property
     def num_running(self) -> int:
@@ -199,13 +189,8 @@ class Scheduler:
         """Sequences paused by their consumer (their KV kept)."""
         return self._paused.count(list(self._running))
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self._reserved
+    num_waiting = property(lambda self: len(self._waiting))
+    reserved_bytes = property(lambda self: self._reserved)  # KV bytes promised to running sequences
 
     def kv_layout(self) -> list[SequenceKV]:
         """Where each running sequence's KV is now (read-only, from any thread; it may be a step old)."""
@@ -284,48 +269,17 @@ class Scheduler:
                 alone = not self._running
                 self._running.append(seq)
             try:
-                self._start(seq, alone)
+                self.processor.start(seq, alone)
             except Exception as exc:
                 self.processor.fail(seq, exc, "could not start the request")
 
-    def _start(self, seq: SequenceState, alone: bool) -> None:
-        """Give an admitted sequence its sampler, stop rules and KV cache on the placed runner
-        (``alone``: nothing else runs, so the peak-memory figures restart with it)."""
-        seq.scheduled_time = time.perf_counter()
-        self.processor.prepare(seq)
-        seq.adopt(self.policies.new_cache(seq, on_host=False), self.runtime.runner)
-        if alone:
-            self.processor.reset_peaks()
-        self.observer.on_scheduled(seq)
-        seq.start_time = time.perf_counter()
-        self.policies.relieve(seq)
-        self.processor.report_actions(seq)
-
     def schedule(self) -> StepPlan:
-        """This step's rows: every decoding sequence's pending tokens, then prefill chunks of new
-        sequences within the step's prompt-token budget."""
+        """This step's rows: every decoding sequence's pending tokens (and proposal), then prefill
+        chunks of new sequences within the step's prompt-token budget (paused requests run nothing)."""
         batch = self._batch()
-        plan = StepPlan([ScheduledRow(seq, list(seq.pending)) for seq in batch if seq.pending])
-        budget = self.prefill_chunk * (1 if plan.rows else IDLE_PREFILL_CHUNKS)
-        used = 0
-        in_flight: set[bytes] = set()  # first pages being prefilled (not cached yet) in this step
-        for seq in [s for s in batch if s.in_prefill]:
-            first_page = self.policies.first_page(seq)
-            if first_page in in_flight:
-                continue
-            self.policies.reuse_prefix(seq)
-            start = seq.prefilled
-            end = min(len(seq.prompt_ids), (start // self.prefill_chunk + 1) * self.prefill_chunk)
-            if used and used + (end - start) > budget:
-                break
-            used += end - start
-            plan.rows.append(ScheduledRow(seq, seq.prompt_ids[start:end], start,
-                                          all_logits=seq.params.prompt_logprobs is not None))
-            if first_page is not None and start == 0:
-                in_flight.add(first_page)
-            if used >= budget:
-                break
-        return plan
+        plan = self.speculator.propose(StepPlan([ScheduledRow(seq, list(seq.pending)) for seq in batch
+                                                 if seq.pending]))
+        return add_prefill_chunks(plan, batch, self.prefill_chunk, self.policies)
 
     def _add_running(self, seq: SequenceState) -> None:
         with self._cond:
@@ -336,6 +290,7 @@ class Scheduler:
         seq.finish_time = time.perf_counter()
         seq.pending = []
         self.policies.free(seq)
+        self.speculator.release(seq)
         with self._cond:
             if seq in self._running:
                 self._running.remove(seq)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridllm.config import SamplingParams
+from hybridllm.engine.drafting import SequenceSpeculation
 from hybridllm.engine.logprobs import TokenLogprob
 from hybridllm.engine.output import RequestOutput
 from hybridllm.engine.sampling import Sampler
@@ -91,6 +92,7 @@ class SequenceState:
     sampler: Sampler | None = None  # parameters, generator, penalty counts
     grammar: GrammarMatcher | None = None  # masks the logits when the output is structured
     output: RequestOutput | None = None  # text, stop rules, token budget
+    speculation: SequenceSpeculation | None = None  # draft length, figures, the drafter's state (--spec)
     prefilled: int = 0  # prompt tokens already in the cache
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
     prefix_looked_up: bool = False  # the prefix cache was asked (right before the first prefill chunk)

@@ -7,7 +7,9 @@
 A row is one sequence's tokens for this step: its pending generated token(s) (decode), or a
 chunk of its prompt (prefill). A feature that brings several tokens per row (speculative
 decoding's drafts, multi-token prediction) plans a row with those tokens and ``all_logits``;
-the executor runs it unchanged, in the same forward as every other row.
+the executor runs it unchanged, in the same forward as every other row
+(:class:`~hybridllm.engine.speculator.Speculator` turns decode rows into verification rows:
+the pending token plus a ``draft``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ class ScheduledRow:
         token_ids: the tokens fed to the model, continuing the sequence's cache.
         prompt_start: where the chunk starts in the prompt (a prefill row), None for generated tokens.
         all_logits: every position's logits (prompt log-probabilities, verification), else the last one's.
+        draft: the proposed tokens that end ``token_ids`` (speculative decoding: the row verifies them).
     """
 
     seq: SequenceState
     token_ids: list[int]
     prompt_start: int | None = None
     all_logits: bool = False
+    draft: tuple[int, ...] = ()
 
     @property
     def is_prompt(self) -> bool:

@@ -13,7 +13,9 @@ evaluation. The steps, each timed into the cold start:
 3. build the model runner: per-tier layer segments, hop counting, the decode backend;
 4. the tokenizer;
 5. ``--decode-on host``: the host runner (a host copy of the device weights) up front;
-6. a warm-up step when the backend compiles lazily (so compilation is not in the first TTFT).
+6. a warm-up step when the backend compiles lazily (so compilation is not in the first TTFT);
+7. ``--model-draft``: the draft model of speculative decoding, built the same way (its own
+   placement: ``-ngld``), refused in one line unless its vocabulary is the model's.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hybridllm.config import EngineConfig, KVConfig
+from hybridllm.config import EngineConfig, KVConfig, SpeculativeConfig
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.factory import check_attention_options
 from hybridllm.loading.loader import load_model
@@ -111,7 +113,8 @@ def resolve_placement(n_layers: int, placement: Placement | str | os.PathLike | 
 
 
 def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Placement,
-                  options: BuildOptions = BuildOptions()) -> Runtime:
+                  options: BuildOptions = BuildOptions(),
+                  speculative: SpeculativeConfig = SpeculativeConfig()) -> Runtime:
     """Load ``checkpoint`` as ``placement`` says and build everything a request needs.
 
     Args:
@@ -120,6 +123,9 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         placement: per-layer tiers, KV policy, decode tier, weight format (already resolved
             against the model's layer count: :func:`resolve_placement`).
         options: fusion, decode backend, progress bar.
+        speculative: speculative decoding (``--spec``; ``--model-draft`` builds the draft model here).
+    Raises:
+        ConfigError: among others, a draft model whose vocabulary is not the model's.
     """
     if engine_config.threads is not None:
         torch.set_num_threads(engine_config.threads)
@@ -145,7 +151,7 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         checkpoint=checkpoint, config=checkpoint.config, engine_config=engine_config, placement=placement,
         devices=devices, tokenizer=tokenizer, runner=runner, cold_start=cold_start,
         weight_bytes=weight_bytes_per_tier(model, placement), decode_weight_bytes=0,
-        weights_format=weights_format(model), build_host_runner=build_host_runner,
+        weights_format=weights_format(model), build_host_runner=build_host_runner, speculative=speculative,
     )
     check_attention_options(placement.kv.kv_cache, runtime.kv_spec())  # one line now, not at the first request
     runtime.native_kv = native_kv(runtime)
@@ -161,7 +167,42 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         t0 = time.perf_counter()
         warm_up(runtime)
         cold_start.compile_s += time.perf_counter() - t0
+    if speculative.method == "draft":
+        t0 = time.perf_counter()
+        runtime.draft = build_draft_runtime(runtime, speculative, options)
+        cold_start.draft_s = time.perf_counter() - t0
     return runtime
+
+
+def build_draft_runtime(target: Runtime, speculative: SpeculativeConfig, options: BuildOptions) -> Runtime:
+    """The draft model's runtime: ``--model-draft`` on the target's device and dtype, its first
+    ``-ngld`` layers on the device (default: all), the target's weight mode, its own dense KV.
+
+    Raises:
+        ConfigError: the draft's vocabulary is not the target's (one line: what differs).
+    """
+    from hybridllm.loading.registry import open_checkpoint
+
+    checkpoint = open_checkpoint(speculative.model_draft)
+    placement = resolve_placement(checkpoint.config.n_layers, None, speculative.n_gpu_layers_draft, None,
+                                  target.placement.weights, {})
+    draft = build_runtime(checkpoint, target.engine_config, placement, replace(options, show_progress=False))
+    check_same_vocabulary(target, draft)
+    return draft
+
+
+def check_same_vocabulary(target: Runtime, draft: Runtime) -> None:
+    """Raise ConfigError unless the draft model's logits and tokens are the target's, id by id."""
+    name = os.path.basename(str(draft.checkpoint.path))
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(f"the draft model {name} has {draft.config.vocab_size} logits per token, the model "
+                          f"{target.config.vocab_size}; speculative decoding needs the same vocabulary")
+    ours, theirs = target.tokenizer, draft.tokenizer
+    for token_id in range(max(ours.vocab_size, theirs.vocab_size)):
+        mine, other = ours.id_to_token(token_id), theirs.id_to_token(token_id)
+        if mine != other:
+            raise ConfigError(f"the draft model {name} spells token {token_id} {other!r}, the model {mine!r}; "
+                              f"speculative decoding needs the same vocabulary")
 
 
 def native_kv(runtime: Runtime) -> bool:

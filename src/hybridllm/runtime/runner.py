@@ -126,6 +126,12 @@ class ModelRunner:
         switch = self.model.rope_switch_length
         return switch is not None and length > switch
 
+    def rope_switch_room(self, length: int) -> int | None:
+        """How many more tokens a sequence of ``length`` tokens rotating with longrope's short
+        factors takes before it switches to the long ones (None: no switch ahead)."""
+        switch = self.model.rope_switch_length
+        return None if switch is None or length > switch else switch - length
+
     def crosses_rope_switch(self, cached: int, n_new: int) -> bool:
         """Whether ``n_new`` more tokens take a sequence of ``cached`` tokens, whose keys rotate with
         longrope's short factors, past the switch (its cache must then be re-encoded)."""

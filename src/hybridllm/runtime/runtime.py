@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridllm.config import EngineConfig, KVConfig, ModelConfig
+from hybridllm.config import EngineConfig, KVConfig, ModelConfig, SpeculativeConfig
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.attention import HostAttention, layer_attention
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
@@ -44,6 +44,8 @@ class Runtime:
             kernels run no layer, or cannot read the strategy: its attention then runs in PyTorch).
         host_attention: how the caches attend KV held in host RAM in place when the compute
             device is another (the native kernels; None: PyTorch over the rows read out).
+        speculative: speculative decoding's settings (``--spec``, ``--draft-max`` ...).
+        draft: the draft model's runtime (``--model-draft``; same vocabulary), else None.
     """
 
     checkpoint: Any
@@ -60,6 +62,8 @@ class Runtime:
     build_host_runner: Callable[[], tuple[Any, dict[str, int]]]
     native_kv: bool = False
     host_attention: HostAttention | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    draft: Runtime | None = None
     _migration: PhaseMigration | None = field(default=None, repr=False)
 
     @property

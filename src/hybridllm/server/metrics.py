@@ -108,6 +108,16 @@ class ServerMetrics(SchedulerObserver):
             ["model_name", "action"], registry=reg)
         for action in ADAPTIVE_ACTION_KINDS:
             self.adaptive_actions.labels(model_name, action)
+        # speculative decoding, named as vLLM names its spec-decode counters
+        self.spec_drafts = Counter(f"{PREFIX}spec_decode_num_drafts", "Proposals verified (speculative decoding).",
+                                   labels, registry=reg).labels(model_name)
+        self.spec_draft_tokens = Counter(f"{PREFIX}spec_decode_num_draft_tokens", "Tokens proposed and verified.",
+                                         labels, registry=reg).labels(model_name)
+        self.spec_accepted_tokens = Counter(f"{PREFIX}spec_decode_num_accepted_tokens",
+                                            "Proposed tokens the model accepted.", labels, registry=reg).labels(model_name)
+        self.spec_accepted_per_position = Counter(
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Accepted proposed tokens by their position in the "
+            "proposal (0: the first).", ["model_name", "position"], registry=reg)
         reg.register(_EngineCollector(view, model_name))
 
     # ---- scheduler hooks (loop thread) -----------------------------------------------------
@@ -136,6 +146,13 @@ class ServerMetrics(SchedulerObserver):
             self.inference_time.observe(seq.last_token_time - seq.scheduled_time)
             self.request_prompt_tokens.observe(len(seq.prompt_ids))
             self.request_generation_tokens.observe(len(seq.generated))
+
+    def on_draft_verified(self, seq: SequenceState, draft_tokens: int, accepted: int) -> None:
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(draft_tokens)
+        self.spec_accepted_tokens.inc(accepted)
+        for position in range(accepted):
+            self.spec_accepted_per_position.labels(self.model_name, str(position)).inc()
 
     def on_step(self, decode_rows: int, prefill_tokens: int) -> None:
         self.iteration_tokens.observe(decode_rows + prefill_tokens)

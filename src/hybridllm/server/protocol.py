@@ -9,6 +9,9 @@ server does not implement are refused there with a 400 naming them (the table in
 (:func:`ignored_fields` lists them, nested ones included). Beyond OpenAI's fields, a few of vLLM's sampling extras are
 accepted (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``; pass them with the
 client's ``extra_body``), and llama.cpp's ``repeat_penalty`` (an alias of ``repetition_penalty``).
+``speculative`` (ours): ``false`` decodes the request without speculative decoding when the server
+runs with ``--spec`` (the text is the same either way; the usage's ``completion_tokens_details``
+reports the proposals).
 ``response_format`` and ``tools``/``tool_choice`` are OpenAI's; see :mod:`hybridllm.server.tools`.
 """
 
@@ -309,6 +312,10 @@ class SamplingFields(TopRequestModel):
     repeat_penalty: float | None = Field(default=None, gt=0, description="Alias of repetition_penalty.")
     response_format: ResponseFormat | None = Field(
         default=None, description="text, json_object, or json_schema: the reply is constrained by a grammar.")
+    # ours
+    speculative: bool | None = Field(
+        default=None, description="false: no speculative decoding for this request (when the server runs with "
+                                  "--spec); the text is the same either way, only the speed differs.")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -339,11 +346,22 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache (not prefilled).")
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(description="Tokens proposed by speculative decoding that the model "
+                                                        "accepted (OpenAI's name for predicted tokens).")
+    rejected_prediction_tokens: int = Field(description="Proposed tokens the model rejected.")
+    speculative_drafts: int = Field(description="Proposals verified (ours).")
+    speculative_draft_tokens: int = Field(description="Tokens proposed and verified (ours).")
+    speculative_acceptance_rate: float | None = Field(description="Accepted over proposed tokens; null without "
+                                                                  "proposals (ours).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

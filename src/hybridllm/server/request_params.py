@@ -109,6 +109,7 @@ def sampling_params(scheduler: Scheduler, req: ChatCompletionRequest | Completio
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured=structured,
+            speculative=req.speculative is not False,
         )
     except HybridLLMError as exc:
         raise APIError(400, str(exc)) from None

@@ -169,13 +169,21 @@ def raise_event_error(events: list[SeqEvent], grammar_param: str = "response_for
 
 def usage(events: list[SeqEvent], count_completion: bool = True) -> Payload:
     """The prompt once, and every sequence's completion tokens; the prompt tokens the prefix
-    cache supplied (OpenAI's ``prompt_tokens_details.cached_tokens``)."""
+    cache supplied (OpenAI's ``prompt_tokens_details.cached_tokens``); speculative decoding's
+    proposals (``completion_tokens_details``: OpenAI's accepted / rejected prediction tokens, and
+    the drafts, proposed tokens and acceptance rate), summed over the sequences."""
     prompt_tokens = events[0].prompt_tokens
     completion_tokens = sum(event.completion_tokens for event in events) if count_completion else 0
     cached = max((event.metrics or {}).get("cached_tokens", 0) for event in events)
+    drafts, proposed, accepted = (sum((event.metrics or {}).get(key, 0) for event in events)
+                                  for key in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": proposed - accepted,
+                                          "speculative_drafts": drafts, "speculative_draft_tokens": proposed,
+                                          "speculative_acceptance_rate": accepted / proposed if proposed else None}}
 
 
 def event_stream(ctx: ServerContext, events: RequestEvents, lines: AsyncIterator[str]) -> EventStreamResponse:

@@ -6,7 +6,9 @@ when every layer and the head are native. Host int4 layers are held once, in the
 layout. A step's rows whose caches can be written in place go to the whole-model kernels: every
 one-token row in one ``hl_decode_model`` call (``NativeModel.decode``), every longer row (a
 prefill chunk, several generated tokens) as a segment of one ``hl_prefill_model`` call
-(``NativeModel.prefill_chunks``; rows that want every position's logits in a call of their own).
+(``NativeModel.prefill_chunks``; rows that want every position's logits in a call of their own,
+which the step's one-token rows join when there is one: speculative decoding's verification rows
+and the other sequences' decode rows then read the weights once).
 Each row's arithmetic is its own (batch-invariant kernels): its logits and KV are bitwise those
 of its forward alone. The other rows walk the layers (:class:`EagerBackend`), each native layer's
 one-token step through ``hl_decode_layer`` and the head's one-row product through ``hl_linear``.
@@ -56,12 +58,17 @@ class NativeBackend(EagerBackend):
             return self.walk_rows(rows)
         out: list[torch.Tensor | None] = [None] * len(rows)
         in_place = [row.cache.supports_in_place_layers(whole.layer_indices) for row in rows]
-        tokens = [i for i, row in enumerate(rows) if in_place[i] and row.n_tokens == 1]
+        # one-token rows join the step's rows of several tokens that want every position's logits
+        # (speculative decoding's verification rows) as one-token segments of that call: the same bits
+        # as a decode step (the kernels' one arithmetic per row), and the weights read once for both
+        verifying = any(in_place[i] and row.n_tokens > 1 and row.all_logits for i, row in enumerate(rows))
+        tokens = [i for i, row in enumerate(rows) if in_place[i] and row.n_tokens == 1 and not verifying]
         if tokens:
             for i, logits in zip(tokens, self._decode(whole, [rows[i] for i in tokens])):
                 out[i] = logits
         for all_logits in (False, True):
-            chunks = [i for i, row in enumerate(rows) if in_place[i] and row.n_tokens > 1 and row.all_logits == all_logits]
+            chunks = [i for i, row in enumerate(rows) if in_place[i] and out[i] is None
+                      and (row.all_logits if row.n_tokens > 1 else verifying) == all_logits]
             if chunks:
                 for i, logits in zip(chunks, self._prefill(whole, [rows[i] for i in chunks], all_logits)):
                     out[i] = logits
