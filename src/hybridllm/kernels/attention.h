@@ -209,7 +209,22 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
 }
 
 // ---- reading a segment -----------------------------------------------------------------------
-// Rows [r0, r0 + n) of a quantized store's KV head as float32 (n, d): code * scale + zero.
+// LANES codes of a quantized row from element i on, as float32: bytes, or 4-bit codes two to a
+// byte (element i in the low nibble when i is even).
+inline f32xL code_lanes(const uint8_t* row, int64_t i, bool four) {
+  typedef uint8_t u8xL __attribute__((vector_size(LANES)));
+  u8xL codes;
+  if (four) {
+    const uint8_t* pairs = row + i / 2;  // i is a multiple of LANES (even)
+    for (int l = 0; l < LANES; l += 2) codes[l] = pairs[l / 2] & 15, codes[l + 1] = pairs[l / 2] >> 4;
+  } else {
+    codes = load<u8xL>(row + i);
+  }
+  return __builtin_convertvector(codes, f32xL);
+}
+
+// Rows [r0, r0 + n) of a quantized store's KV head as float32 (n, d): code * scale + zero, one
+// fused multiply-add per value (the same bits whether a lane or the scalar tail computes it).
 inline void dequantize_rows(const HLKVSegment& seg, bool keys, int64_t head, int64_t r0, int64_t n, int64_t d,
                             float* out) {
   const bool four = seg.format == KV_Q4 || seg.format == KV_Q4_CHANNEL_KEYS;
@@ -219,22 +234,37 @@ inline void dequantize_rows(const HLKVSegment& seg, bool keys, int64_t head, int
   const auto* scales = static_cast<const uint16_t*>(keys ? seg.k_scale : seg.v_scale);
   const auto* zeros = static_cast<const uint16_t*>(keys ? seg.k_zero : seg.v_zero);
   const int64_t group = per_channel ? seg.key_group : seg.group;
+  // Scale and zero of value i sit at scale_of[i / step]: per channel (keys in token groups, KIVI's)
+  // one per channel of the row's token group, (Hkv, capacity / group, d); else one per group of
+  // channels of the row, (Hkv, capacity, d / group).
+  const int64_t step = per_channel ? 1 : group;
+  const bool uniform = !per_channel && group % LANES == 0;  // one scale per LANES values
+  float scale_lanes[LANES], zero_lanes[LANES];
   for (int64_t j = 0; j < n; ++j) {
     const int64_t row = r0 + j;
     const uint8_t* c = codes + row * row_bytes;
     float* o = out + j * d;
-    if (per_channel) {  // (Hkv, capacity / group, d): the row's token group
-      const int64_t at = (head * (seg.capacity / group) + row / group) * d;
-      for (int64_t i = 0; i < d; ++i) {
-        const int code = four ? (i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15) : c[i];
-        o[i] = std::fma(static_cast<float>(code), half_to_float(scales[at + i]), half_to_float(zeros[at + i]));
+    const int64_t at = per_channel ? (head * (seg.capacity / group) + row / group) * d
+                                   : (head * seg.capacity + row) * (d / group);
+    const uint16_t* scale_of = scales + at;
+    const uint16_t* zero_of = zeros + at;
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES) {
+      f32xL scale, zero;
+      if (per_channel) {
+        scale = load_lanes(scale_of + i), zero = load_lanes(zero_of + i);
+      } else if (uniform) {
+        scale = f32xL{} + half_to_float(scale_of[i / step]), zero = f32xL{} + half_to_float(zero_of[i / step]);
+      } else {
+        for (int l = 0; l < LANES; ++l)
+          scale_lanes[l] = half_to_float(scale_of[(i + l) / step]), zero_lanes[l] = half_to_float(zero_of[(i + l) / step]);
+        scale = load<f32xL>(scale_lanes), zero = load<f32xL>(zero_lanes);
       }
-    } else {  // (Hkv, capacity, d / group): the row's channel groups
-      const int64_t at = (head * seg.capacity + row) * (d / group);
-      for (int64_t i = 0; i < d; ++i) {
-        const int code = four ? (i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15) : c[i];
-        o[i] = std::fma(static_cast<float>(code), half_to_float(scales[at + i / group]), half_to_float(zeros[at + i / group]));
-      }
+      store(o + i, fma_lanes(code_lanes(c, i, four), scale, zero));
+    }
+    for (; i < d; ++i) {
+      const int code = four ? (i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15) : c[i];
+      o[i] = std::fma(static_cast<float>(code), half_to_float(scale_of[i / step]), half_to_float(zero_of[i / step]));
     }
   }
 }
