@@ -270,7 +270,7 @@ def tiny(tiny_models):
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny):
-    return LLM(str(tiny[1]), spec="ngram", spec_ngram_min=1, threads=2, prefill_chunk=32)
+    return LLM(str(tiny[1]), spec="ngram", spec_ngram_min=1, spec_max_batch=0, threads=2, prefill_chunk=32)
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +297,21 @@ def test_greedy_text_and_logprobs_equal_plain_decoding_and_drafts_are_accepted(s
     assert m["spec_acceptance_rate"] == m["spec_accepted_tokens"] / m["spec_draft_tokens"]
     assert plain.metrics["spec_method"] == "none" and plain.metrics["spec_drafts"] == 0
     assert m["generated_tokens"] == 40
+
+
+@NEEDS_COMPILER
+def test_a_step_of_more_decoding_sequences_than_spec_max_batch_drafts_nothing(tiny, looping):
+    """--spec-max-batch 2: three sequences decoding together (same length, EOS ignored) never
+    draft; two do; the text is the same either way."""
+    llm = LLM(str(tiny[1]), spec="ngram", spec_ngram_min=1, spec_max_batch=2, threads=2, prefill_chunk=32)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    three = llm.engine.generate_batch([looping] * 3, [params] * 3)
+    two = llm.engine.generate_batch([looping] * 2, [params] * 2)
+    assert [out.metrics["spec_drafts"] for out in three] == [0, 0, 0]
+    assert all(out.metrics["spec_drafts"] > 0 and out.metrics["spec_accepted_tokens"] > 0 for out in two)
+    assert {tuple(out.token_ids) for out in three + two} == {tuple(three[0].token_ids)}
+    with pytest.raises(ConfigError, match="--spec-max-batch"):
+        SpeculativeConfig(spec="ngram", spec_max_batch=-1)
 
 
 @NEEDS_COMPILER
@@ -438,7 +453,7 @@ def test_a_draft_model_gives_the_plain_greedy_text(draft_pair, looping, config):
     strategy and with decode on the host: the greedy texts are plain decoding's, and the rejected
     proposals' KV is rolled back in the target's cache and the draft's."""
     target, draft = draft_pair
-    llm = LLM(str(target), model_draft=str(draft), draft_max=6, threads=2, **EVERY_KV_AND_HOST_DECODE[config])
+    llm = LLM(str(target), model_draft=str(draft), draft_max=6, spec_max_batch=0, threads=2, **EVERY_KV_AND_HOST_DECODE[config])
     assert llm.speculative.method == "draft" and llm.runtime.draft is not None
     assert llm.cold_start.draft_s > 0
     prompts = [looping[i:] for i in range(0, 24, 3)] + [[11 + 7 * k + i for i in range(5)] for k in range(4)] + [
@@ -459,7 +474,7 @@ def test_a_draft_model_gives_the_plain_greedy_text(draft_pair, looping, config):
 @NEEDS_COMPILER
 def test_a_draft_model_keeps_the_sampled_distribution(tiny):
     """The target as its own draft: its argmax proposed, accepted with its probability."""
-    llm = LLM(str(tiny[0]), model_draft=str(tiny[0]), draft_max=3, threads=2)
+    llm = LLM(str(tiny[0]), model_draft=str(tiny[0]), draft_max=3, spec_max_batch=0, threads=2)
     draws = 640
     counts, stats = _sampled_runs(llm, [11, 12, 13, 14, 15], draws, max_tokens=4, temperature=1.0, top_k=3)
     assert stats["accepted"] > draws // 4 and stats["drafted"] - stats["accepted"] > draws // 10, stats
@@ -513,7 +528,7 @@ def test_pytorch_backends_verify_within_rounding_and_roll_back_their_caches(tiny
     """On the PyTorch paths (the eager walk; the cuda-graph backend's static slot caches, run
     eagerly on the CPU) a verification forward is within float rounding of one-token steps: the
     greedy text is plain decoding's up to a near-tie, and the caches roll back (static rows too)."""
-    llm = LLM(str(tiny[1]), spec="ngram", spec_ngram_min=1, threads=2, decode_backend=backend, device="cpu")
+    llm = LLM(str(tiny[1]), spec="ngram", spec_ngram_min=1, spec_max_batch=0, threads=2, decode_backend=backend, device="cpu")
     prompt = looping
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2)
     plain, spec = _both(llm, prompt, params)

@@ -59,7 +59,7 @@ def _assert_same_text(plain: list, spec: list, label: str) -> None:
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_ngram_speculation_gives_the_plain_greedy_text(config):
-    llm = LLM(spec="ngram", threads=2, **CONFIGS[config])
+    llm = LLM(spec="ngram", spec_max_batch=0, threads=2, **CONFIGS[config])
     assert llm.runtime.kv_attention == "native"  # every strategy and placement attends natively on the CPU
     plain, spec = _greedy_both_ways(llm)
     _assert_same_text(plain, spec, config)
@@ -72,7 +72,7 @@ def test_ngram_speculation_gives_the_plain_greedy_text(config):
 def test_draft_model_speculation_gives_the_plain_greedy_text(default_model_path):
     """The default model drafting for itself (the same vocabulary by construction): its argmax is
     the target's, so nearly every proposal is accepted; the texts are plain decoding's."""
-    llm = LLM(model_draft=str(default_model_path), draft_max=8, threads=2)
+    llm = LLM(model_draft=str(default_model_path), draft_max=8, spec_max_batch=0, threads=2)
     plain, spec = _greedy_both_ways(llm)
     _assert_same_text(plain, spec, "draft model")
     accepted = sum(r.metrics["spec_accepted_tokens"] for r in spec)

@@ -25,7 +25,7 @@ from spec_helpers import repetitive_prompt
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_models):
-    return LLM(str(tiny_models["llama"][1]), spec="ngram", spec_ngram_min=1, threads=1)
+    return LLM(str(tiny_models["llama"][1]), spec="ngram", spec_ngram_min=1, spec_max_batch=0, threads=1)
 
 
 def _sample(text: str, name: str, labels: str = "") -> float:
@@ -169,11 +169,12 @@ def test_every_command_hands_the_speculative_flags_to_the_engine(command, monkey
 
     monkeypatch.setattr(LLM, "__init__", recording_init)
     args = [command, *(["hi"] if command == "generate" else []), "--spec", "ngram", "--spec-ngram-max", "5",
-            "--spec-ngram-min", "3", "--draft-max", "7", "--draft-min", "2"]
+            "--spec-ngram-min", "3", "--draft-max", "7", "--draft-min", "2", "--spec-max-batch", "8"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "stopped before loading" in result.stderr, result.output
-    assert {k: seen[k] for k in ("spec", "spec_ngram_max", "spec_ngram_min", "draft_max", "draft_min")} == {
-        "spec": "ngram", "spec_ngram_max": 5, "spec_ngram_min": 3, "draft_max": 7, "draft_min": 2}
+    assert {k: seen[k] for k in ("spec", "spec_ngram_max", "spec_ngram_min", "draft_max", "draft_min",
+                                 "spec_max_batch")} == {
+        "spec": "ngram", "spec_ngram_max": 5, "spec_ngram_min": 3, "draft_max": 7, "draft_min": 2, "spec_max_batch": 8}
 
 
 def test_a_draft_model_of_another_vocabulary_is_a_one_line_cli_error(tiny_models, tmp_path):

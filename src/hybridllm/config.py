@@ -509,6 +509,10 @@ class SpeculativeConfig:
         draft_min: fewest tokens worth a verification: a shorter proposal is dropped (``--draft-min``).
         model_draft: the draft model (a GGUF file or a Hugging Face folder; the target's vocabulary).
         n_gpu_layers_draft: the draft model's layers on the device (``-ngld``; None: all, as the target's default).
+        spec_max_batch: speculate only in steps where at most this many sequences decode (0: in
+            every step). A step of many sequences already reads each weight once for all of them,
+            so verification rows there cost compute instead of saving reads (vLLM's
+            ``speculative_disable_by_batch_size``).
     """
 
     spec: str = "none"
@@ -518,6 +522,7 @@ class SpeculativeConfig:
     draft_min: int = 0
     model_draft: str | None = None
     n_gpu_layers_draft: int | None = None
+    spec_max_batch: int = 4
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_METHODS:
@@ -535,6 +540,8 @@ class SpeculativeConfig:
             raise ConfigError(f"--draft-max must be in 1..128, got {self.draft_max}")
         if not 0 <= self.draft_min <= self.draft_max:
             raise ConfigError(f"--draft-min must be in 0..--draft-max ({self.draft_max}), got {self.draft_min}")
+        if self.spec_max_batch < 0:
+            raise ConfigError(f"--spec-max-batch must be >= 0 (0: speculate in every step), got {self.spec_max_batch}")
         if self.n_gpu_layers_draft is not None and self.model_draft is None:
             raise ConfigError("--n-gpu-layers-draft (-ngld) places the draft model's layers; it needs --model-draft")
 

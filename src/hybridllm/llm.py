@@ -75,6 +75,7 @@ class LLM:
         model_draft: a draft model (GGUF file or Hugging Face folder) with this model's vocabulary;
             giving it turns speculation on (llama.cpp's ``-md``).
         n_gpu_layers_draft: the draft model's layers on ``device`` (llama.cpp's ``-ngld``; None: all).
+        spec_max_batch: speculate only in steps where at most this many sequences decode (0: always).
         **kv_options: the KV cache policy, same names as the CLI flags in snake case
             (``kv_cache="tiered"``, ``kv_hot_window=512``, ``vram_budget="8GiB"`` ...); they
             override a placement file's KV policy.
@@ -108,6 +109,7 @@ class LLM:
         draft_min: int = SpeculativeConfig.draft_min,
         model_draft: str | os.PathLike | None = None,
         n_gpu_layers_draft: int | None = None,
+        spec_max_batch: int = SpeculativeConfig.spec_max_batch,
         **kv_options: Any,
     ) -> None:
         engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads,
@@ -117,7 +119,7 @@ class LLM:
         speculative = SpeculativeConfig(spec=spec, spec_ngram_max=spec_ngram_max, spec_ngram_min=spec_ngram_min,
                                         draft_max=draft_max, draft_min=draft_min,
                                         model_draft=None if model_draft is None else os.fspath(model_draft),
-                                        n_gpu_layers_draft=n_gpu_layers_draft)
+                                        n_gpu_layers_draft=n_gpu_layers_draft, spec_max_batch=spec_max_batch)
         checkpoint = open_checkpoint(model)
         if speculative.model_draft is not None:
             open_checkpoint(speculative.model_draft)  # a missing draft model fails before the slow load

@@ -66,6 +66,7 @@ DraftMax = Annotated[int, typer.Option("--draft-max", "--draft", "--draft-n", he
 DraftMin = Annotated[int, typer.Option("--draft-min", "--draft-n-min", help="Fewest tokens worth a verification: shorter proposals are dropped.", rich_help_panel=SPEC_PANEL)]
 ModelDraft = Annotated[Optional[Path], typer.Option("--model-draft", "-md", help="A draft model (GGUF file or Hugging Face folder) with the model's vocabulary: it proposes, the model verifies (turns on --spec draft).", rich_help_panel=SPEC_PANEL)]
 NGpuLayersDraft = Annotated[Optional[int], typer.Option("--n-gpu-layers-draft", "--gpu-layers-draft", "-ngld", help="The draft model's layers on the device (default: all), like llama.cpp's -ngld.", rich_help_panel=SPEC_PANEL)]
+SpecMaxBatch = Annotated[int, typer.Option("--spec-max-batch", help="Speculate only in steps where at most this many sequences decode (0: always): a large batch already reads each weight once for all its sequences.", rich_help_panel=SPEC_PANEL)]
 PrefixCacheDiskSize = Annotated[Optional[str], typer.Option("--prefix-cache-disk-size", help="Bytes of page files allowed in --prefix-cache-disk, e.g. 20GiB (default 8GiB).", rich_help_panel=PREFIX_PANEL)]
 
 
@@ -145,6 +146,7 @@ class SpeculativeOptions:
     draft_min: DraftMin = 0
     model_draft: ModelDraft = None
     n_gpu_layers_draft: NGpuLayersDraft = None
+    spec_max_batch: SpecMaxBatch = 4
 
 
 # every inference command: generate, chat, serve, bench

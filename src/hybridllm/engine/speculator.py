@@ -10,7 +10,8 @@ A decoding sequence asks its drafter (:class:`~hybridllm.engine.ngram.NgramDraft
 :class:`~hybridllm.engine.draft_model.DraftModelDrafter` for ``--model-draft``) for up to k tokens,
 k from its :class:`~hybridllm.engine.drafting.DraftPacer` within ``--draft-max``, the token budget
 left and the context; a proposal shorter than ``--draft-min`` is dropped and the row stays a
-one-token decode row. Each sequence drafts for itself, so one step verifies rows of different
+one-token decode row. A step where more than ``--spec-max-batch`` sequences decode drafts
+nothing (its weights are already read once for all of them). Each sequence drafts for itself, so one step verifies rows of different
 lengths next to plain decode rows and prefill chunks, in one forward per runner. A request with
 ``speculative=False`` (the server's ``"speculative": false``) never drafts.
 """
@@ -62,6 +63,9 @@ class Speculator:
         """``plan`` with its decode rows' proposals: each row that gets one feeds its pending
         token and the proposal, with every position's logits (the other rows are unchanged)."""
         if self.drafter is None:
+            return plan
+        limit = self.config.spec_max_batch
+        if limit and plan.decode_rows > limit:
             return plan
         requests: list[DraftRequest] = []
         where: list[int] = []
