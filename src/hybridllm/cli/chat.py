@@ -58,6 +58,7 @@ def chat(
     if not llm.tokenizer.has_chat_template:
         raise ConfigError("this model has no chat template; use `hybridllm generate --no-chat` instead")
     conversation = Conversation(system)
+    take_ctrl_c()
     enable_line_editing()
     typer.echo(f"{model_name(llm.checkpoint.path)} ready. {HELP_LINE}", err=True)
     quit_armed = False  # the last thing the user did was Ctrl-C: one more at the prompt leaves
@@ -167,6 +168,13 @@ def interrupt_sets(event: threading.Event) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def take_ctrl_c() -> None:
+    """Ctrl-C at the prompt raises KeyboardInterrupt even when the chat was started with SIGINT
+    ignored (a shell's background job, a script's child: Python then installs no handler of its
+    own, and Ctrl-C at the prompt would do nothing). Main thread only."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def enable_line_editing() -> None:
