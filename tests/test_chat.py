@@ -41,9 +41,10 @@ def endless_gguf(tmp_path_factory) -> Path:
     return save_as_gguf(folder, root / "endless-chat.gguf")
 
 
-def spawn_chat(*args: str, timeout: float = 60) -> "pexpect.spawn":
+def spawn_chat(*args: str, timeout: float = 60, preexec_fn=None) -> "pexpect.spawn":
     child = pexpect.spawn(sys.executable, ["-m", "hybridllm.cli", "chat", *args], env=dict(os.environ),
-                          encoding="utf-8", codec_errors="replace", timeout=timeout, dimensions=(50, 200))
+                          encoding="utf-8", codec_errors="replace", timeout=timeout, dimensions=(50, 200),
+                          preexec_fn=preexec_fn)
     return child
 
 
@@ -124,9 +125,8 @@ def test_ctrl_c_works_when_the_chat_was_started_with_sigint_ignored(endless_gguf
     child inherits and for which Python installs no KeyboardInterrupt: chat takes Ctrl-C anyway."""
     import signal
 
-    child = pexpect.spawn(sys.executable, ["-m", "hybridllm.cli", "chat", "--model", str(endless_gguf), "--threads", "1"],
-                          env=dict(os.environ), encoding="utf-8", codec_errors="replace", timeout=60,
-                          dimensions=(50, 200), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    child = spawn_chat("--model", str(endless_gguf), "--threads", "1",
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         child.expect_exact("> ")
         child.sendintr()

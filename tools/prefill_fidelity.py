@@ -38,9 +38,10 @@ def main() -> None:
     path = args.model or str(default_model_path())
     ours = LLM(path, threads=args.threads)  # weights="auto": as served
     ids = ours.tokenizer.encode(Path(args.text).read_text(), add_special_tokens=True)[:args.tokens]
-    engines = {f"hybridllm ({ours.weights_format})": position_logits(ours, ids, args.chunk)}
+    ours_logits = position_logits(ours, ids, args.chunk)
+    engines = {f"hybridllm ({ours.weights_format})": ours_logits}
     if args.save:
-        torch.save({"ids": ids, "logits": engines[next(iter(engines))]}, args.save)
+        torch.save({"ids": ids, "logits": ours_logits}, args.save)
     del ours
     exact = position_logits(LLM(path, weights="float", threads=args.threads), ids, args.chunk)
     for spec in args.extra:
