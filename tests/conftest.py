@@ -73,6 +73,18 @@ def avx2_library():
     return native._declare(build.build_library(("-march=x86-64-v3",)).library)
 
 
+@pytest.fixture(scope="session")
+def avx2_vnni_library():
+    """The kernels built for x86-64-v3 with AVX-VNNI (vpdpbusd on 256 bits: Alder Lake and later);
+    None where the CPU has no AVX-VNNI."""
+    from hybridllm.kernels import build, native
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or " avx_vnni" not in cpuinfo.read_text(errors="replace"):
+        return None
+    return native._declare(build.build_library(("-march=x86-64-v3", "-mavxvnni")).library)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
