@@ -10,13 +10,18 @@
 // transposing reduction; times the scale; soft-capped), the block's max m_b, p_t = exp(s_t - m_b),
 // l_b = their sum, o_b = sum_t p_t v_t (FMAs in key order); the blocks merged in position order,
 // (m, l, o) <- (max, l e^(m - m') + l_b e^(m_b - m'), o e^(m - m') + o_b e^(m_b - m')); the
-// output o / l. Quantized tokens are dequantized (code * scale + zero, one FMA) into a block's
-// float scratch first; float16 tokens are converted in registers.
+// output o / l. A key or value is read as its store holds it, in registers: float32, float16
+// widened (exact), or a quantized code widened (bytes, or 4-bit codes split by mask and shift)
+// and dequantized as code * scale + zero with one FMA; so a token's float value is the same bits
+// whichever store layout, kernel or thread reads it, and a block spanning several stores reads
+// each run in place, no float copy.
 //
 // Decode rows: the blocks of a row go to the threads as items (row, KV head, up to
 // BLOCKS_PER_ITEM blocks), each block's (m_b, l_b, o_b) kept, then each (row, query head) merges
-// its blocks in order. Prefill chunks: items (chunk, QUERY_ROWS positions, KV head), each row
-// merging its blocks as it goes. The same block function and the same merge either way.
+// its blocks in order; their keys and values are read in place. Prefill chunks: items (chunk,
+// QUERY_ROWS positions, KV head), each row merging its blocks as it goes; a block read by many
+// queries is gathered once as float32 rows (the same values). The same block function and the
+// same merge either way.
 #pragma once
 
 #include <algorithm>
@@ -82,19 +87,187 @@ inline void sum4(const f32xW v[4], float out[4]) {
 #endif
 }
 
+// ---- reading stored rows --------------------------------------------------------------------
+// The kernels read one KV head's keys or values of a run of tokens through a reader:
+// vector(t, i) is row t's WLANES values from element i on (i and d multiples of WLANES),
+// value(t, i) one value; the same float32 bits either way. DenseRows: float32 as stored, float16
+// widened (exact). CodeRows: a quantized store's codes widened in registers, code * scale + zero
+// with one rounding (an FMA); nothing is written back to memory.
+template <typename T>
+struct DenseRows {
+  const T* rows;  // (n, d) from the run's first token
+  int64_t d;
+  f32xW vector(int64_t t, int64_t i) const { return load_wide(rows + t * d + i); }
+  float value(int64_t t, int64_t i) const { return to_float(rows[t * d + i]); }
+};
+
+template <bool FOUR>
+inline float code_at(const uint8_t* row, int64_t i) {
+  return static_cast<float>(FOUR ? (i % 2 ? row[i / 2] >> 4 : row[i / 2] & 15) : row[i]);
+}
+
+// WLANES codes of a quantized row from element i on (a multiple of WLANES) as float32: bytes, or
+// 4-bit codes two to a byte (element 2j in the low nibble of byte j) split by mask and shift and
+// interleaved back into order. (GCC lowers a vector conversion from bytes to floats one lane at a
+// time, hence the intrinsics.)
+template <bool FOUR>
+inline f32xW code_vector(const uint8_t* row, int64_t i) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  __m128i bytes;  // the WLANES codes in order, one per byte
+  if constexpr (FOUR) {
+    __m128i packed;
+    if constexpr (WLANES == 16) {
+      packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 2));
+    } else {
+      int32_t four_bytes;
+      std::memcpy(&four_bytes, row + i / 2, 4);
+      packed = _mm_cvtsi32_si128(four_bytes);
+    }
+    const __m128i low = _mm_set1_epi8(15);
+    bytes = _mm_unpacklo_epi8(_mm_and_si128(packed, low), _mm_and_si128(_mm_srli_epi16(packed, 4), low));
+  } else {
+    bytes = WLANES == 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))
+                         : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i));
+  }
+#if defined(__AVX512F__)
+  const __m512 wide = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+#else
+  const __m256 wide = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+#endif
+  return load<f32xW>(&wide);
+#else
+  f32xW codes;
+  for (int l = 0; l < WLANES; ++l) codes[l] = code_at<FOUR>(row, i + l);
+  return codes;
+#endif
+}
+
+// The float32 scales and zeros a CodeRows reads (widened from float16 once per run), where each
+// row's start (row_at), and which of a row's scales each vector of WLANES values takes
+// (vector_scale); the per-thread buffers only grow.
+struct ScaleScratch {
+  std::vector<float> scales, zeros;
+  std::vector<int64_t> row_at, vector_scale;
+  void reserve(int64_t values, int64_t rows, int64_t d) {
+    if (static_cast<int64_t>(scales.size()) < values + LANES) scales.resize(values + LANES), zeros.resize(values + LANES);
+    if (static_cast<int64_t>(row_at.size()) < rows) row_at.resize(rows);
+    if (static_cast<int64_t>(vector_scale.size()) < d / WLANES + 1) vector_scale.resize(d / WLANES + 1);
+  }
+};
+
+// n float16 values from `in` as float32 into `out` (exact; LANES at a time where they can).
+inline void widen_halves(const uint16_t* in, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) store(out + i, load_lanes(in + i));
+  for (; i < n; ++i) out[i] = half_to_float(in[i]);
+}
+
+// Rows of a quantized store's KV head, keys or values. Row t's scale and zero of element i sit at
+// scales[row_at[t] + vector_scale[i / WLANES]] where one covers each vector of WLANES values
+// (`per_vector`: per-token groups of a multiple of WLANES channels), else at
+// scales[row_at[t] + i] (per channel: one row of d per token group; per-token groups of fewer
+// channels: expanded per value).
+template <bool FOUR>
+struct CodeRows {
+  const uint8_t* codes;  // the run's first row
+  int64_t row_bytes;
+  const float* scales;
+  const float* zeros;
+  const int64_t* row_at;
+  const int64_t* vector_scale;
+  bool per_vector;
+
+  f32xW vector(int64_t t, int64_t i) const {
+    const f32xW c = code_vector<FOUR>(codes + t * row_bytes, i);
+    if (per_vector) {
+      const int64_t at = row_at[t] + vector_scale[i / WLANES];
+      return fma_wide(c, f32xW{} + scales[at], f32xW{} + zeros[at]);
+    }
+    return fma_wide(c, load<f32xW>(scales + row_at[t] + i), load<f32xW>(zeros + row_at[t] + i));
+  }
+  float value(int64_t t, int64_t i) const {
+    const int64_t at = row_at[t] + (per_vector ? vector_scale[i / WLANES] : i);
+    return std::fma(code_at<FOUR>(codes + t * row_bytes, i), scales[at], zeros[at]);
+  }
+};
+
+// Rows [row, row + n) of a quantized segment's KV head `head`, keys or values, as a CodeRows
+// (their scales and zeros widened into `work`).
+template <bool FOUR>
+inline CodeRows<FOUR> code_rows(const HLKVSegment& seg, bool keys, int64_t head, int64_t row, int64_t n, int64_t d,
+                                ScaleScratch& work) {
+  const bool per_channel = keys && (seg.format == KV_Q8_CHANNEL_KEYS || seg.format == KV_Q4_CHANNEL_KEYS);
+  const int64_t row_bytes = FOUR ? d / 2 : d;
+  const auto* codes = static_cast<const uint8_t*>(keys ? seg.k : seg.v) + (head * seg.capacity + row) * row_bytes;
+  const auto* scales = static_cast<const uint16_t*>(keys ? seg.k_scale : seg.v_scale);
+  const auto* zeros = static_cast<const uint16_t*>(keys ? seg.k_zero : seg.v_zero);
+  if (per_channel) {  // (Hkv, capacity / group, d): one row of d per token group the rows touch
+    const int64_t group = seg.key_group, first = row / group, groups = (row + n - 1) / group - first + 1;
+    work.reserve(groups * d, n, d);
+    const int64_t at = (head * (seg.capacity / group) + first) * d;
+    widen_halves(scales + at, groups * d, work.scales.data());
+    widen_halves(zeros + at, groups * d, work.zeros.data());
+    for (int64_t t = 0; t < n; ++t) work.row_at[t] = ((row + t) / group - first) * d;
+    return {codes, row_bytes, work.scales.data(), work.zeros.data(), work.row_at.data(), nullptr, false};
+  }
+  // (Hkv, capacity, d / group): one per group of channels of each row, the run's rows contiguous
+  const int64_t group = seg.group, groups = d / group, at = (head * seg.capacity + row) * groups;
+  if (group % WLANES == 0) {
+    work.reserve(n * groups, n, d);
+    widen_halves(scales + at, n * groups, work.scales.data());
+    widen_halves(zeros + at, n * groups, work.zeros.data());
+    for (int64_t t = 0; t < n; ++t) work.row_at[t] = t * groups;
+    for (int64_t v = 0; v < d / WLANES; ++v) work.vector_scale[v] = v * WLANES / group;
+    return {codes, row_bytes, work.scales.data(), work.zeros.data(), work.row_at.data(), work.vector_scale.data(), true};
+  }
+  work.reserve(n * d, n, d);  // groups narrower than a vector: each value's scale and zero
+  for (int64_t t = 0; t < n; ++t) {
+    work.row_at[t] = t * d;
+    for (int64_t i = 0; i < d; ++i)
+      work.scales[t * d + i] = half_to_float(scales[at + t * groups + i / group]),
+      work.zeros[t * d + i] = half_to_float(zeros[at + t * groups + i / group]);
+  }
+  return {codes, row_bytes, work.scales.data(), work.zeros.data(), work.row_at.data(), nullptr, false};
+}
+
+// A run of a block's keys and values, in one store: `n` tokens from buffer row `row` of KV head
+// `head` of segment `seg`, or (seg null) float32 rows (n, d) at keys / values.
+struct KVRun {
+  const HLKVSegment* seg;
+  const float* keys;
+  const float* values;
+  int64_t head, row, n;
+};
+
+// visit(reader) with the reader of a run's keys or values (as its store holds them).
+template <typename Visit>
+inline void read_run(const KVRun& run, bool keys, int64_t d, ScaleScratch& work, Visit&& visit) {
+  if (run.seg == nullptr) return visit(DenseRows<float>{keys ? run.keys : run.values, d});
+  const HLKVSegment& seg = *run.seg;
+  const int64_t at = (run.head * seg.capacity + run.row) * d;
+  switch (seg.format) {
+    case KV_F32: return visit(DenseRows<float>{static_cast<const float*>(keys ? seg.k : seg.v) + at, d});
+    case KV_F16: return visit(DenseRows<uint16_t>{static_cast<const uint16_t*>(keys ? seg.k : seg.v) + at, d});
+    case KV_Q4:
+    case KV_Q4_CHANNEL_KEYS: return visit(code_rows<true>(seg, keys, run.head, run.row, run.n, d, work));
+    default: return visit(code_rows<false>(seg, keys, run.head, run.row, run.n, d, work));
+  }
+}
+
 // ---- scores --------------------------------------------------------------------------------
-// scores[g * stride + t] = scale * q_g . key_t for G queries (q: G x d) and n keys (rows of d,
-// float32 or float16 as stored). d a multiple of WLANES: keys four at a time (each key vector
-// loaded once for every query), the missing ones of the last four zeros (a key's dot does not
-// depend on its neighbours); else one key at a time, plain FMAs in order.
-template <int VECS, int G, bool FULL, typename T>
-inline void score_four(const float* q, const T* keys, int64_t t, int valid, float scale, float* scores,
+// scores[g * stride + t] = scale * q_g . key_t for G queries (q: G x d) and n keys (a reader's
+// rows). d a multiple of WLANES: keys four at a time (each key vector read once for every
+// query), the missing ones of the last four zeros (a key's dot does not depend on its
+// neighbours); per key a dot in WLANES lanes (FMAs in order over d), then sum4's reduction. Else
+// one key at a time, plain FMAs in order.
+template <int VECS, int G, bool FULL, typename Keys>
+inline void score_four(const float* q, const Keys& keys, int64_t t, int valid, float scale, float* scores,
                        int64_t stride) {
   constexpr int64_t D = VECS * WLANES;
   f32xW dots[G][4] = {};
   for (int i = 0; i < VECS; ++i) {
     f32xW k[4];
-    for (int j = 0; j < 4; ++j) k[j] = (FULL || j < valid) ? load_wide(keys + (t + j) * D + i * WLANES) : f32xW{};
+    for (int j = 0; j < 4; ++j) k[j] = (FULL || j < valid) ? keys.vector(t + j, i * WLANES) : f32xW{};
     for (int g = 0; g < G; ++g) {
       const f32xW qv = load_wide(q + g * D + i * WLANES);
       for (int j = 0; j < 4; ++j) dots[g][j] = fma_wide(qv, k[j], dots[g][j]);
@@ -107,20 +280,15 @@ inline void score_four(const float* q, const T* keys, int64_t t, int valid, floa
   }
 }
 
-template <int VECS, int G, typename T>
-void scores_fixed(const float* q, const T* keys, int64_t n, float scale, float* scores, int64_t stride) {
+template <int VECS, int G, typename Keys>
+void scores_fixed(const float* q, const Keys& keys, int64_t n, float scale, float* scores, int64_t stride) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
   if (t < n) score_four<VECS, G, false>(q, keys, t, static_cast<int>(n - t), scale, scores, stride);
 }
 
-// scores[g * stride + t] = scale * q_g . key_t for G queries (q: G x d) and n keys (rows of d,
-// float32 or float16 as stored): per key a dot in WLANES lanes (FMAs in order over d), then sum4's
-// reduction. Keys four at a time (each key vector loaded once for every query); the missing ones
-// of the last four are zeros (a key's dot does not depend on its neighbours). d not a multiple of
-// WLANES: one key at a time, plain FMAs in order.
-template <int G, typename T>
-void block_scores(const float* q, const T* keys, int64_t n, int64_t d, float scale, float* scores, int64_t stride) {
+template <int G, typename Keys>
+void block_scores(const float* q, const Keys& keys, int64_t n, int64_t d, float scale, float* scores, int64_t stride) {
   if (d % WLANES == 0) {
     switch (d / WLANES) {
       case 1: return scores_fixed<1, G>(q, keys, n, scale, scores, stride);
@@ -136,7 +304,7 @@ void block_scores(const float* q, const T* keys, int64_t n, int64_t d, float sca
   for (int64_t t = 0; t < n; ++t)
     for (int g = 0; g < G; ++g) {
       float s = 0.0f;
-      for (int64_t i = 0; i < d; ++i) s = std::fma(q[g * d + i], to_float(keys[t * d + i]), s);
+      for (int64_t i = 0; i < d; ++i) s = std::fma(q[g * d + i], keys.value(t, i), s);
       scores[g * stride + t] = s * scale;
     }
 }
@@ -144,8 +312,8 @@ void block_scores(const float* q, const T* keys, int64_t n, int64_t d, float sca
 // ---- values --------------------------------------------------------------------------------
 // acc[g * d + i] = fma(p[g * stride + t], value_t[i], acc[g * d + i]) for t = 0 .. n - 1 in order
 // (acc holds the sums so far: a block's keys may come from several stores).
-template <int VECS, int G, typename T>
-void accumulate_fixed(const T* values, int64_t n, const float* p, int64_t stride, float* acc) {
+template <int VECS, int G, typename Values>
+void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc) {
   constexpr int64_t D = WLANES * VECS;
   if constexpr (G * VECS <= 24) {
     f32xW a[G][VECS];
@@ -155,7 +323,7 @@ void accumulate_fixed(const T* values, int64_t n, const float* p, int64_t stride
       f32xW weight[G];
       for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
       for (int i = 0; i < VECS; ++i) {
-        const f32xW v = load_wide(values + t * D + WLANES * i);
+        const f32xW v = values.vector(t, WLANES * i);
         for (int g = 0; g < G; ++g) a[g][i] = fma_wide(weight[g], v, a[g][i]);
       }
     }
@@ -166,14 +334,14 @@ void accumulate_fixed(const T* values, int64_t n, const float* p, int64_t stride
       f32xW a[VECS];
       for (int i = 0; i < VECS; ++i) a[i] = load<f32xW>(acc + g * D + WLANES * i);
       for (int64_t t = 0; t < n; ++t)
-        for (int i = 0; i < VECS; ++i) a[i] = fma_wide(f32xW{} + p[g * stride + t], load_wide(values + t * D + WLANES * i), a[i]);
+        for (int i = 0; i < VECS; ++i) a[i] = fma_wide(f32xW{} + p[g * stride + t], values.vector(t, WLANES * i), a[i]);
       for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[i]);
     }
   }
 }
 
-template <int G, typename T>
-void accumulate_values(const T* values, int64_t n, int64_t d, const float* p, int64_t stride, float* acc) {
+template <int G, typename Values>
+void accumulate_values(const Values& values, int64_t n, int64_t d, const float* p, int64_t stride, float* acc) {
   if (d % WLANES == 0) {
     switch (d / WLANES) {
       case 1: return accumulate_fixed<1, G>(values, n, p, stride, acc);
@@ -188,7 +356,7 @@ void accumulate_values(const T* values, int64_t n, int64_t d, const float* p, in
   }
   for (int g = 0; g < G; ++g)
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t i = 0; i < d; ++i) acc[g * d + i] = std::fma(p[g * stride + t], to_float(values[t * d + i]), acc[g * d + i]);
+      for (int64_t i = 0; i < d; ++i) acc[g * d + i] = std::fma(p[g * stride + t], values.value(t, i), acc[g * d + i]);
 }
 
 // s[t] = exp(s[t] - shift) for t < n; returns their sum (lanes by index, then the tail).
@@ -208,89 +376,12 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
-// ---- reading a segment -----------------------------------------------------------------------
-// LANES codes of a quantized row from element i on, as float32: bytes, or 4-bit codes two to a
-// byte (element i in the low nibble when i is even).
-inline f32xL code_lanes(const uint8_t* row, int64_t i, bool four) {
-  typedef uint8_t u8xL __attribute__((vector_size(LANES)));
-  u8xL codes;
-  if (four) {
-    const uint8_t* pairs = row + i / 2;  // i is a multiple of LANES (even)
-    for (int l = 0; l < LANES; l += 2) codes[l] = pairs[l / 2] & 15, codes[l + 1] = pairs[l / 2] >> 4;
-  } else {
-    codes = load<u8xL>(row + i);
-  }
-  return __builtin_convertvector(codes, f32xL);
-}
-
-// Rows [r0, r0 + n) of a quantized store's KV head as float32 (n, d): code * scale + zero, one
-// fused multiply-add per value (the same bits whether a lane or the scalar tail computes it).
-inline void dequantize_rows(const HLKVSegment& seg, bool keys, int64_t head, int64_t r0, int64_t n, int64_t d,
-                            float* out) {
-  const bool four = seg.format == KV_Q4 || seg.format == KV_Q4_CHANNEL_KEYS;
-  const bool per_channel = keys && (seg.format == KV_Q8_CHANNEL_KEYS || seg.format == KV_Q4_CHANNEL_KEYS);
-  const int64_t row_bytes = four ? d / 2 : d;
-  const auto* codes = static_cast<const uint8_t*>(keys ? seg.k : seg.v) + head * seg.capacity * row_bytes;
-  const auto* scales = static_cast<const uint16_t*>(keys ? seg.k_scale : seg.v_scale);
-  const auto* zeros = static_cast<const uint16_t*>(keys ? seg.k_zero : seg.v_zero);
-  const int64_t group = per_channel ? seg.key_group : seg.group;
-  // Scale and zero of value i sit at scale_of[i / step]: per channel (keys in token groups, KIVI's)
-  // one per channel of the row's token group, (Hkv, capacity / group, d); else one per group of
-  // channels of the row, (Hkv, capacity, d / group).
-  const int64_t step = per_channel ? 1 : group;
-  const bool uniform = !per_channel && group % LANES == 0;  // one scale per LANES values
-  float scale_lanes[LANES], zero_lanes[LANES];
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = r0 + j;
-    const uint8_t* c = codes + row * row_bytes;
-    float* o = out + j * d;
-    const int64_t at = per_channel ? (head * (seg.capacity / group) + row / group) * d
-                                   : (head * seg.capacity + row) * (d / group);
-    const uint16_t* scale_of = scales + at;
-    const uint16_t* zero_of = zeros + at;
-    int64_t i = 0;
-    for (; i + LANES <= d; i += LANES) {
-      f32xL scale, zero;
-      if (per_channel) {
-        scale = load_lanes(scale_of + i), zero = load_lanes(zero_of + i);
-      } else if (uniform) {
-        scale = f32xL{} + half_to_float(scale_of[i / step]), zero = f32xL{} + half_to_float(zero_of[i / step]);
-      } else {
-        for (int l = 0; l < LANES; ++l)
-          scale_lanes[l] = half_to_float(scale_of[(i + l) / step]), zero_lanes[l] = half_to_float(zero_of[(i + l) / step]);
-        scale = load<f32xL>(scale_lanes), zero = load<f32xL>(zero_lanes);
-      }
-      store(o + i, fma_lanes(code_lanes(c, i, four), scale, zero));
-    }
-    for (; i < d; ++i) {
-      const int code = four ? (i % 2 ? c[i / 2] >> 4 : c[i / 2] & 15) : c[i];
-      o[i] = std::fma(static_cast<float>(code), half_to_float(scale_of[i / step]), half_to_float(zero_of[i / step]));
-    }
-  }
-}
-
-// A run of keys or values of one KV head as rows a kernel reads: float32 or float16 in place, or
-// a quantized run dequantized into `scratch`.
-struct Rows {
-  const void* data;
-  bool half;
-};
-
-inline Rows segment_rows(const HLKVSegment& seg, bool keys, int64_t head, int64_t r0, int64_t n, int64_t d,
-                         float* scratch) {
-  if (seg.format == KV_F32 || seg.format == KV_F16) {
-    const int64_t at = (head * seg.capacity + r0) * d;
-    if (seg.format == KV_F16) return {static_cast<const uint16_t*>(keys ? seg.k : seg.v) + at, true};
-    return {static_cast<const float*>(keys ? seg.k : seg.v) + at, false};
-  }
-  dequantize_rows(seg, keys, head, r0, n, d, scratch);
-  return {scratch, false};
-}
-
 // ---- one block of one row ---------------------------------------------------------------------
-// Per-thread scratch of the block function.
+// Per-thread scratch of the block function: scores, a prefill block's gathered rows, the scales
+// of the run being read.
 struct BlockScratch {
   std::vector<float> scores, keys, values;
+  ScaleScratch scales;
   void reserve(int group, int64_t d) {
     if (static_cast<int64_t>(scores.size()) < group * KEY_BLOCK) scores.resize(group * KEY_BLOCK);
     if (static_cast<int64_t>(keys.size()) < KEY_BLOCK * d) keys.resize(KEY_BLOCK * d), values.resize(KEY_BLOCK * d);
@@ -304,45 +395,53 @@ struct Partial {
   float* o;  // (G, d)
 };
 
-// The keys and values [lo, hi) of one KV head as rows the kernels read: in place where one dense
-// run holds them all (float16 too, unless `widen`), else gathered into the scratch as float32
-// (float16 widened exactly, quantized tokens dequantized). Either way the same values.
+// The keys and values [lo, hi) of one KV head: runs in position order, one per store.
 struct BlockKV {
-  const void* keys;
-  const void* values;
-  bool half;
+  KVRun runs[MAX_KV_SEGMENTS];
+  int count;
 };
 
-inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi, int64_t d,
-                        BlockScratch& scratch, bool widen) {
-  for (int s = 0; s < cache.n_segments; ++s) {
-    const HLKVSegment& seg = cache.segments[s];
-    const bool dense = seg.format == KV_F32 || (seg.format == KV_F16 && !widen);
-    if (dense && seg.position <= lo && hi <= seg.position + seg.tokens) {
-      const Rows keys = segment_rows(seg, true, head, seg.row0 + (lo - seg.position), hi - lo, d, nullptr);
-      const Rows values = segment_rows(seg, false, head, seg.row0 + (lo - seg.position), hi - lo, d, nullptr);
-      return {keys.data, values.data, keys.half};
-    }
-  }
+// Every store's part of [lo, hi), read in place.
+inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi) {
+  BlockKV kv{};
   for (int s = 0; s < cache.n_segments; ++s) {
     const HLKVSegment& seg = cache.segments[s];
     const int64_t a = std::max(lo, seg.position), b = std::min(hi, seg.position + seg.tokens);
-    if (a >= b) continue;
-    const int64_t row = seg.row0 + (a - seg.position);
-    for (int k = 0; k < 2; ++k) {
-      float* out = (k == 0 ? scratch.keys.data() : scratch.values.data()) + (a - lo) * d;
-      if (seg.format == KV_F32) {
-        std::memcpy(out, static_cast<const float*>(k == 0 ? seg.k : seg.v) + (head * seg.capacity + row) * d,
-                    (b - a) * d * sizeof(float));
-      } else if (seg.format == KV_F16) {
-        const uint16_t* in = static_cast<const uint16_t*>(k == 0 ? seg.k : seg.v) + (head * seg.capacity + row) * d;
-        for (int64_t i = 0; i < (b - a) * d; ++i) out[i] = half_to_float(in[i]);
-      } else {
-        dequantize_rows(seg, k == 0, head, row, b - a, d, out);
-      }
-    }
+    if (a < b) kv.runs[kv.count++] = KVRun{&seg, nullptr, nullptr, head, seg.row0 + (a - seg.position), b - a};
   }
-  return {scratch.keys.data(), scratch.values.data(), false};
+  return kv;
+}
+
+// Rows [0, n) of a reader into out (n, d): the values the kernels read, as float32.
+template <typename Reader>
+inline void gather_rows(const Reader& rows, int64_t n, int64_t d, float* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    int64_t i = 0;
+    for (; i + WLANES <= d && d % WLANES == 0; i += WLANES) store(out + t * d + i, rows.vector(t, i));
+    for (; i < d; ++i) out[t * d + i] = rows.value(t, i);
+  }
+}
+
+// [lo, hi) as one run of float32 rows (a prefill block's, read by many queries): in place where
+// one float32 store holds them all, else gathered into the scratch (float16 widened, codes
+// dequantized: the very values the readers give in place).
+inline KVRun gathered_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi, int64_t d,
+                         BlockScratch& scratch) {
+  const BlockKV kv = block_kv(cache, head, lo, hi);
+  if (kv.count == 1 && kv.runs[0].seg->format == KV_F32) {
+    const HLKVSegment& seg = *kv.runs[0].seg;
+    const int64_t at = (head * seg.capacity + kv.runs[0].row) * d;
+    return {nullptr, static_cast<const float*>(seg.k) + at, static_cast<const float*>(seg.v) + at, head, 0, hi - lo};
+  }
+  int64_t at = 0;
+  for (int r = 0; r < kv.count; ++r) {
+    for (bool keys : {true, false})
+      read_run(kv.runs[r], keys, d, scratch.scales, [&](const auto& rows) {
+        gather_rows(rows, kv.runs[r].n, d, (keys ? scratch.keys : scratch.values).data() + at * d);
+      });
+    at += kv.runs[r].n;
+  }
+  return {nullptr, scratch.keys.data(), scratch.values.data(), head, 0, hi - lo};
 }
 
 // max of s[0 .. n) (exact in any order).
@@ -359,12 +458,21 @@ inline float block_max(const float* s, int64_t n) {
   return m;
 }
 
-// G queries q (G, d) over n keys and values (rows of d, float32 or float16): out.m/l/o per query,
-// as the arithmetic at the top of this file says. `scores`: (G, KEY_BLOCK) scratch.
-template <int G, typename T>
-void attend_rows(const float* q, const T* keys, const T* values, int64_t n, int64_t d, const ScoreOptions& options,
-                 Partial out, float* scores) {
-  block_scores<G>(q, keys, n, d, options.scale, scores, KEY_BLOCK);
+// G queries q (G, d) over a block's keys and values (its runs, each read in place as its store
+// holds it): out.m/l/o per query, as the arithmetic at the top of this file says. The scores of
+// each run go to its keys' places in `scores` ((G, KEY_BLOCK) scratch); the values accumulate
+// run after run, in key order.
+template <int G>
+void attend_rows(const float* q, const BlockKV& kv, int64_t d, const ScoreOptions& options, Partial out,
+                 BlockScratch& scratch) {
+  float* scores = scratch.scores.data();
+  int64_t n = 0;
+  for (int r = 0; r < kv.count; ++r) {
+    read_run(kv.runs[r], true, d, scratch.scales, [&](const auto& keys) {
+      block_scores<G>(q, keys, kv.runs[r].n, d, options.scale, scores + n, KEY_BLOCK);
+    });
+    n += kv.runs[r].n;
+  }
   for (int g = 0; g < G; ++g) {
     float* s = scores + g * KEY_BLOCK;
     if (options.softcap > 0.0f) softcap_scores(s, n, options.softcap);
@@ -372,7 +480,13 @@ void attend_rows(const float* q, const T* keys, const T* values, int64_t n, int6
     out.l[g] = exp_shifted(s, n, out.m[g]);
   }
   std::fill(out.o, out.o + G * d, 0.0f);
-  accumulate_values<G>(values, n, d, scores, KEY_BLOCK, out.o);
+  int64_t at = 0;
+  for (int r = 0; r < kv.count; ++r) {
+    read_run(kv.runs[r], false, d, scratch.scales, [&](const auto& values) {
+      accumulate_values<G>(values, kv.runs[r].n, d, scores + at, KEY_BLOCK, out.o);
+    });
+    at += kv.runs[r].n;
+  }
 }
 
 #if defined(__AVX512F__)
@@ -381,13 +495,12 @@ constexpr int BATCH_QUERIES = 6;  // 4 x 6 score accumulators, 4 keys and a quer
 constexpr int BATCH_QUERIES = 2;  // of 16 registers
 #endif
 
-template <typename T>
-void attend_chunk(int count, const float* q, const T* keys, const T* values, int64_t n, int64_t d,
-                  const ScoreOptions& options, Partial out, float* scores) {
+inline void attend_chunk(int count, const float* q, const BlockKV& kv, int64_t d, const ScoreOptions& options,
+                         Partial out, BlockScratch& scratch) {
   switch (count) {
 #define HL_COUNT(N) \
   case N:           \
-    return attend_rows<N>(q, keys, values, n, d, options, out, scores);
+    return attend_rows<N>(q, kv, d, options, out, scratch);
     HL_COUNT(1) HL_COUNT(2) HL_COUNT(3) HL_COUNT(4) HL_COUNT(5) HL_COUNT(6)
 #undef HL_COUNT
     default:
@@ -395,21 +508,16 @@ void attend_chunk(int count, const float* q, const T* keys, const T* values, int
   }
 }
 
-// `count` queries q (count, d) over the same n keys and values (kv: block_kv's rows), in chunks of
-// as many query vectors as the registers hold (each query's arithmetic is its own: the chunking
-// changes nothing but speed). `scratch.scores` holds (BATCH_QUERIES, KEY_BLOCK).
-inline void attend_queries(int count, const float* q, const BlockKV& kv, int64_t n, int64_t d,
-                           const ScoreOptions& options, Partial out, BlockScratch& scratch) {
+// `count` queries q (count, d) over the same block of keys and values, in chunks of as many query
+// vectors as the registers hold (each query's arithmetic is its own: the chunking changes nothing
+// but speed). `scratch.scores` holds (BATCH_QUERIES, KEY_BLOCK).
+inline void attend_queries(int count, const float* q, const BlockKV& kv, int64_t d, const ScoreOptions& options,
+                           Partial out, BlockScratch& scratch) {
   scratch.reserve(BATCH_QUERIES, d);
   for (int c0 = 0; c0 < count; c0 += BATCH_QUERIES) {
     const int c = std::min(BATCH_QUERIES, count - c0);
     const Partial part{out.m + c0, out.l + c0, out.o + c0 * d};
-    if (kv.half)
-      attend_chunk(c, q + c0 * d, static_cast<const uint16_t*>(kv.keys), static_cast<const uint16_t*>(kv.values), n,
-                   d, options, part, scratch.scores.data());
-    else
-      attend_chunk(c, q + c0 * d, static_cast<const float*>(kv.keys), static_cast<const float*>(kv.values), n, d,
-                   options, part, scratch.scores.data());
+    attend_chunk(c, q + c0 * d, kv, d, options, part, scratch);
   }
 }
 
@@ -505,8 +613,8 @@ inline void attention_team(const Team& team, const float* q, int64_t q_stride, c
                            parts.out.data() + slot * stride * d};
       const int64_t lo = rb.block_lo(b), hi = RowBlocks::block_hi(b, cache.start);
       scratch.reserve(group, d);
-      const BlockKV kv = block_kv(cache, head, lo, hi, d, scratch, false);
-      attend_queries(group, q + r * q_stride + head * group * d, kv, hi - lo, d, options, result, scratch);
+      attend_queries(group, q + r * q_stride + head * group * d, block_kv(cache, head, lo, hi), d, options, result,
+                     scratch);
     }
   }
   team.barrier();
@@ -589,10 +697,12 @@ inline void prefill_attention_team(const Team& team, const float* q, int64_t q_s
       // the block's keys and values the item's rows see, as float32 rows once for them all
       const int64_t kv_lo = std::max(b_lo, cache.first_visible(position(r0)));
       const int64_t kv_hi = std::min(b_hi, position(r1 - 1) + 1);
-      const BlockKV kv = block_kv(cache, head, kv_lo, kv_hi, d, scratch, true);
-      auto rows_from = [&](int64_t lo) {
-        return BlockKV{static_cast<const float*>(kv.keys) + (lo - kv_lo) * d,
-                       static_cast<const float*>(kv.values) + (lo - kv_lo) * d, false};
+      const KVRun kv = gathered_kv(cache, head, kv_lo, kv_hi, d, scratch);
+      auto rows_from = [&](int64_t lo, int64_t hi) {  // keys [lo, hi) of the gathered rows
+        BlockKV part{};
+        part.runs[0] = KVRun{nullptr, kv.keys + (lo - kv_lo) * d, kv.values + (lo - kv_lo) * d, head, 0, hi - lo};
+        part.count = 1;
+        return part;
       };
       int64_t whole_first = r1, whole_last = r0;  // the rows that see the block whole: one run
       for (int64_t r = r0; r < r1; ++r) {
@@ -604,7 +714,7 @@ inline void prefill_attention_team(const Team& team, const float* q, int64_t q_s
           continue;
         }
         const Partial result{work.block.data(), work.block.data() + group, work.block.data() + 2 * group};
-        attend_queries(group, query(r), rows_from(lo), hi - lo, d, options, result, scratch);
+        attend_queries(group, query(r), rows_from(lo, hi), d, options, result, scratch);
         merge_rows(r, 1, work.block.data(), b);
       }
       if (whole_first < whole_last) {
@@ -612,7 +722,7 @@ inline void prefill_attention_team(const Team& team, const float* q, int64_t q_s
         for (int64_t i = 0; i < n; ++i)
           std::memcpy(work.queries.data() + i * group * d, query(whole_first + i), group * d * sizeof(float));
         const Partial result{work.block.data(), work.block.data() + n * group, work.block.data() + 2 * n * group};
-        attend_queries(static_cast<int>(n * group), work.queries.data(), rows_from(b_lo), KEY_BLOCK, d, options,
+        attend_queries(static_cast<int>(n * group), work.queries.data(), rows_from(b_lo, b_hi), d, options,
                        result, scratch);
         merge_rows(whole_first, n, work.block.data(), b);
       }

@@ -21,12 +21,18 @@ import torch
 
 from hybridllm.config import KVConfig
 from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
-from hybridllm.kvcache.base import RUN_FIELDS, InPlaceRows, KVCache, KVFormat, KVSpec, MemoryLedger, dense_format
+from hybridllm.kvcache.base import InPlaceRows, KVCache, KVFormat, KVSpec, MemoryLedger, dense_format
 from hybridllm.kvcache.storage import DenseKV, QuantizedKV
 from hybridllm.kvcache.strategy import (KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes,
                                         stored_dtype, stored_spec)
 
 DEFAULT_CHUNK_TOKENS = 1024  # packed tokens per attention chunk: its float scratch stays in cache
+
+
+def _one_or_all(values: list[int]) -> list[int] | int:
+    """A per-layer column as one int where every layer has the same value (the usual step)."""
+    first = values[0]
+    return first if all(v == first for v in values) else values
 
 
 class QuantizedCache(KVCache):
@@ -63,6 +69,10 @@ class QuantizedCache(KVCache):
                         for _ in range(spec.n_layers)]
         self._recent = [DenseKV(self.ledger, "device", spec.device, spec, storage_dtype=residual_dtype)
                         for _ in range(spec.n_layers)]
+        self._packed_format = {(8, True): KVFormat.Q8, (4, True): KVFormat.Q4, (8, False): KVFormat.Q8_CHANNEL_KEYS,
+                               (4, False): KVFormat.Q4_CHANNEL_KEYS}[(bits, keys_per_token)]
+        self._table: dict[str, dict[str, list[int]]] = {}  # _address_table's, read at _table_key
+        self._table_key: tuple[list[int], list[tuple[int, int]]] | None = None
 
     def reserve(self, n_tokens: int) -> None:
         n_tokens = min(n_tokens, self.spec.max_tokens)
@@ -143,37 +153,48 @@ class QuantizedCache(KVCache):
         start = starts.pop()
         if start + n_new > self.spec.max_tokens:
             raise ValueError(f"KV cache full: {start} + {n_new} tokens exceed {self.spec.max_tokens}")
-        packed_fmt = {(8, True): KVFormat.Q8, (4, True): KVFormat.Q4, (8, False): KVFormat.Q8_CHANNEL_KEYS,
-                      (4, False): KVFormat.Q4_CHANNEL_KEYS}[(self.bits, self.keys_per_token)]
-        runs = [{name: [] for name in RUN_FIELDS}, {name: [] for name in RUN_FIELDS}]
-        write_row, settle, settle_row = [], [], []
+        held, tail, moved = [], [], []  # per layer: packed tokens, residual tokens with this step's, settled now
         for i in layers:
             packed, recent = self._packed[i], self._recent[i]
-            held, tail = packed.length, recent.length + n_new
-            moved = max(0, tail - self.residual) // self._granule * self._granule
-            recent.ensure(tail, cap=max(tail, recent.capacity))
-            packed.ensure(held + moved)
-            fields = packed.buffer.tensors  # k_codes (B, Hkv, capacity, D * bits / 8), ...; none before the first
-            address = {name: fields[name].data_ptr() if packed.capacity else 0
-                       for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")}
-            keys, values = recent.buffers()  # (B, Hkv, capacity, D)
-            for run, values_of in ((runs[0], {
-                    "format": int(packed_fmt), "group": packed.v_group, "key_group": packed.group,
-                    "position": 0, "tokens": held, "row0": 0, "capacity": packed.capacity,
-                    "k": address["k_codes"], "v": address["v_codes"], "k_scale": address["k_scale"],
-                    "k_zero": address["k_zero"], "v_scale": address["v_scale"], "v_zero": address["v_zero"]}),
-                    (runs[1], {"format": int(dense_format(recent.storage_dtype)), "group": 0, "key_group": 0,
-                               "position": held, "tokens": tail, "row0": 0, "capacity": keys.shape[2],
-                               "k": keys.data_ptr(), "v": values.data_ptr(), "k_scale": 0, "k_zero": 0,
-                               "v_scale": 0, "v_zero": 0})):
-                for name in RUN_FIELDS:
-                    run[name].append(values_of[name])
-            write_row.append(recent.length)
-            settle.append(moved)
-            settle_row.append(held)
-            packed.length, recent.length = held + moved, tail - moved  # as the kernel leaves them
+            held.append(packed.length)
+            tail.append(recent.length + n_new)
+            moved.append(max(0, tail[-1] - self.residual) // self._granule * self._granule)
+            recent.ensure(tail[-1], cap=max(tail[-1], recent.capacity))
+            packed.ensure(held[-1] + moved[-1])
+        table = self._address_table(layers)
+        packed_run = {"format": int(self._packed_format), "group": self._packed[layers[0]].v_group,
+                      "key_group": self.group_size, "position": 0, "tokens": _one_or_all(held), "row0": 0,
+                      **table["packed"]}
+        recent_run = {"format": int(dense_format(self._recent[layers[0]].storage_dtype)), "group": 0, "key_group": 0,
+                      "position": _one_or_all(held), "tokens": _one_or_all(tail), "row0": 0, **table["recent"]}
+        for i, h, t, m in zip(layers, held, tail, moved):
+            self._packed[i].length, self._recent[i].length = h + m, t - m  # as the kernel leaves them
             self._lengths[i] = start + n_new
-        return InPlaceRows(start, runs, write=1, write_row=write_row, window=0, settle=settle, settle_row=settle_row)
+        return InPlaceRows(start, [packed_run, recent_run], write=1, write_row=_one_or_all([t - n_new for t in tail]),
+                           window=0, settle=_one_or_all(moved), settle_row=_one_or_all(held))
+
+    def _address_table(self, layers: list[int]) -> dict[str, dict[str, list[int]]]:
+        """The buffers' addresses and capacities of the given layers, per run: read again only when
+        a buffer was reallocated (a whole-model step claims the same layers every time)."""
+        versions = [(self._packed[i].buffer.version, self._recent[i].buffer.version) for i in layers]
+        if self._table_key == (layers, versions):
+            return self._table
+        packed_columns = {name: [] for name in ("capacity", "k", "v", "k_scale", "k_zero", "v_scale", "v_zero")}
+        recent_columns = {name: [] for name in ("capacity", "k", "v")}
+        for i in layers:
+            packed = self._packed[i]
+            fields = packed.buffer.tensors  # k_codes (B, Hkv, capacity, D * bits / 8), ...; none before the first
+            packed_columns["capacity"].append(packed.capacity)
+            for name, field in (("k", "k_codes"), ("v", "v_codes"), ("k_scale", "k_scale"), ("k_zero", "k_zero"),
+                                ("v_scale", "v_scale"), ("v_zero", "v_zero")):
+                packed_columns[name].append(fields[field].data_ptr() if packed.capacity else 0)
+            keys, values = self._recent[i].buffers()  # (B, Hkv, capacity, D)
+            recent_columns["capacity"].append(keys.shape[2])
+            recent_columns["k"].append(keys.data_ptr())
+            recent_columns["v"].append(values.data_ptr())
+        self._table = {"packed": packed_columns, "recent": recent_columns}
+        self._table_key = (layers, versions)
+        return self._table
 
     def read_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         packed_k, packed_v = self._packed[layer_idx].read()  # dequantized, oldest tokens
