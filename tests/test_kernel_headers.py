@@ -14,7 +14,7 @@ from conftest import NEEDS_COMPILER
 
 pytestmark = NEEDS_COMPILER
 
-KERNELS = Path(build.SOURCE).parent
+KERNELS = build.KERNEL_DIR
 HEADERS = sorted(path.name for path in KERNELS.glob("*.h"))
 TARGETS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64"}
 
@@ -25,8 +25,8 @@ def _includes(path: Path) -> set[str]:
 
 def test_the_build_reads_every_header():
     assert set(HEADERS) <= {path.name for path in build.sources()}  # an edit to any header rebuilds
-    reached, frontier = set(), _includes(build.SOURCE)
-    while frontier:  # what decode.cpp includes, directly or through another header
+    reached, frontier = set(), set().union(*(_includes(unit) for unit in build.UNITS))
+    while frontier:  # what the translation units include, directly or through another header
         name = frontier.pop()
         reached.add(name)
         frontier |= _includes(KERNELS / name) - reached

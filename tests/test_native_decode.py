@@ -295,7 +295,7 @@ def test_without_a_compiler_the_model_keeps_its_pytorch_steps(tiny_models, tmp_p
 def test_a_compile_error_is_one_line(tmp_path, monkeypatch):
     broken = tmp_path / "decode.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(build, "SOURCE", broken)
+    monkeypatch.setattr(build, "UNITS", (broken, *build.UNITS[1:]))
     monkeypatch.setenv("HYBRIDLLM_KERNEL_CACHE", str(tmp_path / "kernels"))
     with pytest.raises(build.KernelBuildError) as error:
         build.build_library()

@@ -577,166 +577,18 @@ struct AttentionParts {
 // the team (`parts` sized by thread 0 between barriers). Items (row, KV head, up to
 // BLOCKS_PER_ITEM blocks) are claimed as the threads come; then each (row, query head) merges its
 // blocks in order.
-inline void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
-                           int64_t rows, int n_heads, int n_kv_heads, int64_t d, const ScoreOptions& options,
-                           float* out, AttentionParts& parts, BlockScratch& scratch, float* lse = nullptr) {
-  const int group = n_heads / n_kv_heads;
-  if (team.thread == 0) {
-    int64_t blocks = 0, items = 0;
-    parts.reserve(0, 0, rows);
-    for (int64_t r = 0; r < rows; ++r) {
-      parts.row_blocks[r] = blocks;
-      parts.item_offsets[r] = items;
-      const RowBlocks rb(caches[r], caches[r].start);
-      blocks += rb.count() * n_kv_heads;
-      items += (rb.count() + BLOCKS_PER_ITEM - 1) / BLOCKS_PER_ITEM * n_kv_heads;
-    }
-    parts.reserve(blocks, static_cast<int64_t>(group) * (d + 2), rows);
-    parts.row_blocks[rows] = blocks;
-    parts.item_offsets[rows] = items;
-  }
-  team.barrier();
-  const int64_t all_items = parts.item_offsets[rows];
-  const int64_t stride = static_cast<int64_t>(group);  // one block's max/sum entries
-  for (int64_t item = team.claim(); item < all_items; item = team.claim()) {
-    const int64_t r = std::upper_bound(parts.item_offsets.begin(), parts.item_offsets.begin() + rows, item) -
-                      parts.item_offsets.begin() - 1;
-    const HLLayerCache& cache = caches[r];
-    const RowBlocks rb(cache, cache.start);
-    const int64_t items_per_head = (rb.count() + BLOCKS_PER_ITEM - 1) / BLOCKS_PER_ITEM;
-    const int64_t local = item - parts.item_offsets[r];
-    const int64_t head = local / items_per_head, chunk = local % items_per_head;
-    for (int64_t i = chunk * BLOCKS_PER_ITEM; i < std::min(rb.count(), (chunk + 1) * BLOCKS_PER_ITEM); ++i) {
-      const int64_t b = rb.first + i;
-      const int64_t slot = parts.row_blocks[r] + head * rb.count() + i;  // (row, head, block)
-      const Partial result{parts.max.data() + slot * stride, parts.sum.data() + slot * stride,
-                           parts.out.data() + slot * stride * d};
-      const int64_t lo = rb.block_lo(b), hi = RowBlocks::block_hi(b, cache.start);
-      scratch.reserve(group, d);
-      attend_queries(group, q + r * q_stride + head * group * d, block_kv(cache, head, lo, hi), d, options, result,
-                     scratch);
-    }
-  }
-  team.barrier();
-  const Share heads(rows * n_heads, team);
-  for (int64_t i = heads.first; i < heads.last; ++i) {
-    const int64_t r = i / n_heads, h = i % n_heads, head = h / group, g = h % group;
-    const RowBlocks rb(caches[r], caches[r].start);
-    float m = 0.0f, l = 0.0f;
-    float* o = out + i * d;
-    for (int64_t blk = 0; blk < rb.count(); ++blk) {
-      const int64_t slot = parts.row_blocks[r] + head * rb.count() + blk;
-      merge_into(m, l, o, parts.max[slot * stride + g], parts.sum[slot * stride + g],
-                 parts.out.data() + (slot * stride + g) * d, d, blk == 0);
-    }
-    const float inverse = 1.0f / l;
-    for (int64_t j = 0; j < d; ++j) o[j] *= inverse;
-    if (lse != nullptr) lse[i] = m + std::log(l);
-  }
-  team.barrier();
-}
+void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
+                    int64_t rows, int n_heads, int n_kv_heads, int64_t d, const ScoreOptions& options,
+                    float* out, AttentionParts& parts, BlockScratch& scratch, float* lse = nullptr);
 
 // ---- prefill chunks ---------------------------------------------------------------------------
-// Per-thread state of a prefill item: each row's merged result (max, sum per query, then the
-// outputs), the block results of the rows that see a block whole, and their gathered queries.
-struct PrefillScratch {
-  std::vector<float> state, block, queries;
-  void reserve(int64_t rows, int group, int64_t d) {
-    const int64_t per_row = group * (d + 2);
-    if (static_cast<int64_t>(state.size()) < rows * per_row) {
-      state.resize(rows * per_row);
-      block.resize(rows * per_row);
-      queries.resize(rows * group * d);
-    }
-  }
-};
-
 // Attention of prefill chunks by the team: segment s is rows offsets[s] .. offsets[s + 1] - 1 of q
 // (stride q_stride), consecutive positions from caches[s].start of the sequence whose layer KV is
 // caches[s] -> out (rows, H, D). Items (segment, QUERY_ROWS positions, KV head) are claimed as the
 // threads come; an item walks the blocks its rows see in order, each row merging its blocks as it
 // goes (the queries of the rows that see a block whole go through it together).
-inline void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
-                                   const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t d,
-                                   const ScoreOptions& options, float* out, BlockScratch& scratch) {
-  const int group = n_heads / n_kv_heads;
-  const int64_t per_row = group * (d + 2);
-  thread_local PrefillScratch work;
-  work.reserve(QUERY_ROWS, group, d);
-  int64_t items = 0;
-  for (int64_t s = 0; s < segments; ++s) items += (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
-  for (int64_t item = team.claim(); item < items; item = team.claim()) {
-    int64_t s = 0, local = item;
-    for (;; ++s) {
-      const int64_t count = (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
-      if (local < count) break;
-      local -= count;
-    }
-    const HLLayerCache& cache = caches[s];
-    const int64_t head = local % n_kv_heads, r0 = offsets[s] + local / n_kv_heads * QUERY_ROWS;
-    const int64_t r1 = std::min(offsets[s + 1], r0 + QUERY_ROWS);
-    auto position = [&](int64_t r) { return cache.start + (r - offsets[s]); };
-    auto query = [&](int64_t r) { return q + r * q_stride + head * group * d; };
-    // merge the block results of rows [ra, ra + n) (laid out m (n G), l (n G), o (n G, d)) into their states
-    auto merge_rows = [&](int64_t ra, int64_t n, const float* results, int64_t b) {
-      const float* m = results;
-      const float* l = results + n * group;
-      const float* o = results + 2 * n * group;
-      for (int64_t i = 0; i < n; ++i) {
-        float* st = work.state.data() + (ra + i - r0) * per_row;
-        const bool first = b == RowBlocks(cache, position(ra + i)).first;
-        for (int g = 0; g < group; ++g)
-          merge_into(st[g], st[group + g], st + 2 * group + g * d, m[i * group + g], l[i * group + g],
-                     o + (i * group + g) * d, d, first);
-      }
-    };
-    scratch.reserve(BATCH_QUERIES, d);
-    const int64_t first_block = RowBlocks(cache, position(r0)).first, last_block = position(r1 - 1) / KEY_BLOCK;
-    for (int64_t b = first_block; b <= last_block; ++b) {
-      const int64_t b_lo = b * KEY_BLOCK, b_hi = b_lo + KEY_BLOCK;
-      // the block's keys and values the item's rows see, as float32 rows once for them all
-      const int64_t kv_lo = std::max(b_lo, cache.first_visible(position(r0)));
-      const int64_t kv_hi = std::min(b_hi, position(r1 - 1) + 1);
-      const KVRun kv = gathered_kv(cache, head, kv_lo, kv_hi, d, scratch);
-      auto rows_from = [&](int64_t lo, int64_t hi) {  // keys [lo, hi) of the gathered rows
-        BlockKV part{};
-        part.runs[0] = KVRun{nullptr, kv.keys + (lo - kv_lo) * d, kv.values + (lo - kv_lo) * d, head, 0, hi - lo};
-        part.count = 1;
-        return part;
-      };
-      int64_t whole_first = r1, whole_last = r0;  // the rows that see the block whole: one run
-      for (int64_t r = r0; r < r1; ++r) {
-        const RowBlocks rb(cache, position(r));
-        if (b < rb.first || b > rb.last) continue;  // the block is outside this row's keys
-        const int64_t lo = rb.block_lo(b), hi = RowBlocks::block_hi(b, position(r));
-        if (lo == b_lo && hi == b_hi) {
-          whole_first = std::min(whole_first, r), whole_last = r + 1;
-          continue;
-        }
-        const Partial result{work.block.data(), work.block.data() + group, work.block.data() + 2 * group};
-        attend_queries(group, query(r), rows_from(lo, hi), d, options, result, scratch);
-        merge_rows(r, 1, work.block.data(), b);
-      }
-      if (whole_first < whole_last) {
-        const int64_t n = whole_last - whole_first;
-        for (int64_t i = 0; i < n; ++i)
-          std::memcpy(work.queries.data() + i * group * d, query(whole_first + i), group * d * sizeof(float));
-        const Partial result{work.block.data(), work.block.data() + n * group, work.block.data() + 2 * n * group};
-        attend_queries(static_cast<int>(n * group), work.queries.data(), rows_from(b_lo, b_hi), d, options,
-                       result, scratch);
-        merge_rows(whole_first, n, work.block.data(), b);
-      }
-    }
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* st = work.state.data() + (r - r0) * per_row;
-      for (int g = 0; g < group; ++g) {
-        const float inverse = 1.0f / st[group + g];
-        float* o = out + (r * n_heads + head * group + g) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = st[2 * group + g * d + j] * inverse;
-      }
-    }
-  }
-  team.barrier();
-}
+void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
+                            const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t d,
+                            const ScoreOptions& options, float* out, BlockScratch& scratch);
 
 }  // namespace hl

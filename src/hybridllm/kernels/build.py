@@ -1,8 +1,9 @@
-"""Build and load the native decode kernels (``decode.cpp``) with the host's C++ compiler.
+"""Build and load the native decode kernels (``decode.cpp``, ``attention.cpp``) with the host's C++ compiler.
 
     library = load_decode_library()   # ctypes.CDLL, built once per machine and source version
 
-The shared library is compiled with ``-O3 -march=native -fopenmp-simd -pthread`` (its vector
+The translation units compile side by side (one compiler process each), then link into one
+shared library. It is compiled with ``-O3 -march=native -fopenmp-simd -pthread`` (its vector
 loops; its threads are its own team, no OpenMP runtime; ``$HYBRIDLLM_KERNEL_MARCH`` replaces
 ``native``, e.g. ``x86-64-v3`` builds the AVX2 path on an AVX-512 machine) into a cache directory
 (``$HYBRIDLLM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/hybridllm/kernels``, else
@@ -29,12 +30,15 @@ from pathlib import Path
 
 from hybridllm.errors import HybridLLMError
 
-SOURCE = Path(__file__).with_name("decode.cpp")  # the translation unit; it includes the headers beside it
+KERNEL_DIR = Path(__file__).parent
+# The translation units (each includes the headers beside it): the exports, products and layers;
+# the attention entry points (the block arithmetic's many instantiations, compiled in parallel).
+UNITS = (KERNEL_DIR / "decode.cpp", KERNEL_DIR / "attention.cpp")
 
 
 def sources() -> list[Path]:
-    """Every file the build reads: the translation unit and the headers it includes."""
-    return [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+    """Every file the build reads: the translation units and the headers they include."""
+    return [*UNITS, *sorted(KERNEL_DIR.glob("*.h"))]
 
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 MARCH_ENV = "HYBRIDLLM_KERNEL_MARCH"  # the -march the kernels are built for (default: native)
@@ -110,28 +114,48 @@ def default_flags() -> tuple[str, ...]:
     return tuple(f"-march={march}" if flag == "-march=native" else flag for flag in FLAGS)
 
 
+def _first_error(stderr: str) -> str:
+    return next((line for line in stderr.splitlines() if "error" in line), stderr.strip()[:300])
+
+
 def _compile(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
+    """Compile every unit to an object (in parallel), link them into ``target``."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Compile to a private name, then rename: concurrent builds never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        # Build under private names, then rename: concurrent builds never load a half-written file.
+        work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
     except OSError as exc:
         raise KernelBuildError(f"cannot write the kernel cache {target.parent} ({exc.strerror}); "
                                "set HYBRIDLLM_KERNEL_CACHE to a writable folder") from exc
-    os.close(fd)
+    step, running = f"compiling {UNITS[0].name}", []
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=600)
+        objects = [work / f"{unit.stem}.o" for unit in UNITS]
+        running = [(unit, subprocess.Popen([compiler, *flags, "-c", str(unit), "-o", str(obj)],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                   for unit, obj in zip(UNITS, objects)]
+        failures = []
+        for unit, process in running:
+            _, stderr = process.communicate(timeout=600)
+            if process.returncode != 0:
+                failures.append((unit, stderr))
+        if failures:
+            unit, stderr = failures[0]
+            raise KernelBuildError(f"compiling {unit.name} failed: {_first_error(stderr)}")
+        step = f"linking {target.name}"
+        linked = work / "linked.so"
+        done = subprocess.run([compiler, *flags, *map(str, objects), "-o", str(linked)], capture_output=True,
+                              text=True, timeout=600)
         if done.returncode != 0:
-            first_error = next((line for line in done.stderr.splitlines() if "error" in line),
-                               done.stderr.strip()[:300])
-            raise KernelBuildError(f"compiling {SOURCE.name} failed: {first_error}")
-        os.replace(tmp, target)
+            raise KernelBuildError(f"{step} failed: {_first_error(done.stderr)}")
+        os.replace(linked, target)
     except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelBuildError(f"compiling {SOURCE.name} failed: {exc}") from exc
+        raise KernelBuildError(f"{step} failed: {exc}") from exc
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for _, process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def build_library(extra_flags: tuple[str, ...] = ()) -> LoadedLibrary:

@@ -16,6 +16,8 @@
 //   dots_float.h      float32 / float16 / bfloat16 weights
 //   linear.h          x @ W.T by a team, the kernel picked per build and row count
 //   attention.h       attention of decode rows and prefill chunks over any KV store, one arithmetic per row
+//                     (its two team entry points are defined in attention.cpp, the build's other
+//                     translation unit, compiled beside this one)
 //   kv_store.h        writing a step's KV rows (dense or quantized), settling a quantized residual
 //   layer.h           one decoder layer of any family, the head; the step's workspace
 //
