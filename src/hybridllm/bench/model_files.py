@@ -14,6 +14,7 @@ to its first tokens), which both engines load (the prompt ids are the same for b
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -78,8 +79,16 @@ def write_random_gguf(config_path: str | os.PathLike, path: str | os.PathLike, w
     """A GGUF file of the shape ``config_path`` (a Hugging Face config.json) describes, with
     random weights (norms 1, biases 0), its matrices in ``weight_type``."""
     checkpoint = RandomCheckpoint(config_path, torch.float32, seed)
-    return write_gguf(path, checkpoint.config, _RandomTensors(checkpoint),
-                      vocab_metadata(checkpoint.config.vocab_size), weight_type)
+    return write_gguf(path, dataclasses.replace(checkpoint.config, name=file_model_name(config_path)),
+                      _RandomTensors(checkpoint), vocab_metadata(checkpoint.config.vocab_size), weight_type)
+
+
+def file_model_name(config_path: str | os.PathLike) -> str:
+    """The file's ``general.name``: its shape's name, words apart ("phi 3 mini scaled 1.4b").
+    llama.cpp gives the tokens of a model *named* phi-3 / phi3 Phi-3's token attributes and stops
+    loading when that vocabulary's "</s>" or "<unk>" is missing; these files carry the default
+    model's vocabulary, so their name must not claim Phi-3's."""
+    return "random weights, " + Path(config_path).stem.replace("-", " ").replace("_", " ")
 
 
 def quantize_with_llama_cpp(source: str | os.PathLike, path: str | os.PathLike, file_type: str = "Q4_K_M",
