@@ -133,14 +133,10 @@ def _compile(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
         running = [(unit, subprocess.Popen([compiler, *flags, "-c", str(unit), "-o", str(obj)],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
                    for unit, obj in zip(UNITS, objects)]
-        failures = []
-        for unit, process in running:
+        for unit, process in running:  # the first failure ends the build (the others are killed below)
             _, stderr = process.communicate(timeout=600)
             if process.returncode != 0:
-                failures.append((unit, stderr))
-        if failures:
-            unit, stderr = failures[0]
-            raise KernelBuildError(f"compiling {unit.name} failed: {_first_error(stderr)}")
+                raise KernelBuildError(f"compiling {unit.name} failed: {_first_error(stderr)}")
         step = f"linking {target.name}"
         linked = work / "linked.so"
         done = subprocess.run([compiler, *flags, *map(str, objects), "-o", str(linked)], capture_output=True,
