@@ -55,22 +55,22 @@ NEEDS_COMPILER = pytest.mark.skipif(not _have_compiler(), reason="needs a C++ co
 
 @pytest.fixture(scope="session")
 def portable_library():
-    """The kernels built without x86 vector extensions: the path of other CPUs."""
+    """The kernels built without x86 vector extensions (no AVX2, FMA or F16C): the path of other CPUs."""
     from hybridllm.kernels import build, native
 
-    return native._declare(build.build_library(("-mno-avx2", "-mno-fma")).library)
+    return native._declare(build.build_library(("-mno-avx2", "-mno-fma", "-mno-f16c")).library)
 
 
 @pytest.fixture(scope="session")
 def avx2_library():
     """The kernels built for x86-64-v3 (AVX2 + FMA, no AVX-512, no VNNI): the path of most laptops,
-    also on an AVX-512 machine (a later -march overrides -march=native)."""
+    also on an AVX-512 machine; the very build ``HYBRIDLLM_KERNEL_MARCH=x86-64-v3`` loads."""
     from hybridllm.kernels import build, native
 
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists() or " avx2" not in cpuinfo.read_text(errors="replace"):
         pytest.skip("needs an x86 CPU with AVX2")
-    return native._declare(build.build_library(("-march=x86-64-v3",)).library)
+    return native._declare(build.build_library(march="x86-64-v3").library)
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +82,7 @@ def avx2_vnni_library():
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists() or " avx_vnni" not in cpuinfo.read_text(errors="replace"):
         return None
-    return native._declare(build.build_library(("-march=x86-64-v3", "-mavxvnni")).library)
+    return native._declare(build.build_library(("-mavxvnni",), march="x86-64-v3").library)
 
 
 def pytest_collection_modifyitems(config, items):

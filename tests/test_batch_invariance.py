@@ -10,7 +10,7 @@ import torch
 
 from hybridllm import LLM, SamplingParams
 from hybridllm.engine.scheduler import Scheduler, SeqEvent
-from hybridllm.kernels import build, native
+from hybridllm.kernels import native
 from hybridllm.kvcache import DynamicCache, KVSpec
 from hybridllm.kvcache.batch import BatchedCaches
 from hybridllm.loading.loader import load_model
@@ -185,16 +185,13 @@ def test_default_model_16_greedy_prompts_alone_and_in_one_batch(shared_llm):
 
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("kind", ["int4", "int8_groups"])
-def test_quantized_kernels_give_the_same_bits_on_256_and_512_bit_registers(kind, rows):
+def test_quantized_kernels_give_the_same_bits_on_256_and_512_bit_registers(kind, rows, avx2_library):
     """AVX-512 VNNI machines run the int4 rows and the Q8_0 head 16 weight rows to a 512-bit
     register (and many input rows on AMX tiles where the CPU has them); each lane does what the
-    256-bit kernels (the build without AVX-512 VNNI) do, so both give the same bits."""
+    256-bit kernels (the x86-64-v3 build) do, so both give the same bits."""
     from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear
 
-    try:
-        narrow = build.build_library(("-mno-avx512vnni",)).library
-    except build.KernelBuildError as exc:
-        pytest.skip(f"no build without AVX-512 VNNI here: {exc}")
+    narrow = avx2_library
     weight = torch.randn(104, 576, generator=torch.Generator().manual_seed(1))  # 13 blocks of 8 rows
     module = Int4Linear.from_float(weight[:96]) if kind == "int4" else Int8GroupedLinear.from_float(weight)
     view = native.linear_view(module)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridllm.kernels import build, native
+from hybridllm.kernels import native
 from hybridllm.kvcache import DynamicCache, KVSpec
 from hybridllm.kvcache.attention import causal_attention
 from hybridllm.loading.loader import load_model
@@ -24,10 +24,10 @@ CPU = torch.device("cpu")
 pytestmark = NEEDS_COMPILER
 
 
-@pytest.mark.parametrize("flags", [(), ("-mno-avx2", "-mno-fma", "-mno-f16c")])  # vector and plain conversions
+@pytest.mark.parametrize("build_name", ["native", "portable"])  # vector and plain float16 conversions
 @pytest.mark.parametrize("n_heads, n_kv_heads, head_dim, total", [(9, 3, 64, 1), (9, 3, 64, 700), (4, 2, 40, 50)])
-def test_attention_reads_float16_kv_with_float32_accumulation(flags, n_heads, n_kv_heads, head_dim, total):
-    library = build.build_library(flags).library if flags else None
+def test_attention_reads_float16_kv_with_float32_accumulation(build_name, n_heads, n_kv_heads, head_dim, total, request):
+    library = request.getfixturevalue("portable_library") if build_name == "portable" else None
     gen = torch.Generator().manual_seed(total)
     q = torch.randn(n_heads, head_dim, generator=gen)
     keys = (torch.randn(n_kv_heads, total + 5, head_dim, generator=gen) * 3).half()

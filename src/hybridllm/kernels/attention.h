@@ -296,6 +296,7 @@ void block_scores(const float* q, const Keys& keys, int64_t n, int64_t d, float 
       case 4: return scores_fixed<4, G>(q, keys, n, scale, scores, stride);
       case 6: return scores_fixed<6, G>(q, keys, n, scale, scores, stride);
       case 8: return scores_fixed<8, G>(q, keys, n, scale, scores, stride);
+      case 12: return scores_fixed<12, G>(q, keys, n, scale, scores, stride);  // d = 96 on 8 lanes (Phi-3)
       case 16: return scores_fixed<16, G>(q, keys, n, scale, scores, stride);
       case 32: return scores_fixed<32, G>(q, keys, n, scale, scores, stride);
       default: break;
@@ -349,6 +350,7 @@ void accumulate_values(const Values& values, int64_t n, int64_t d, const float* 
       case 4: return accumulate_fixed<4, G>(values, n, p, stride, acc);
       case 6: return accumulate_fixed<6, G>(values, n, p, stride, acc);
       case 8: return accumulate_fixed<8, G>(values, n, p, stride, acc);
+      case 12: return accumulate_fixed<12, G>(values, n, p, stride, acc);
       case 16: return accumulate_fixed<16, G>(values, n, p, stride, acc);
       case 32: return accumulate_fixed<32, G>(values, n, p, stride, acc);
       default: break;

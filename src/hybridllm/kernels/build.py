@@ -104,9 +104,9 @@ def library_path(compiler: str, flags: tuple[str, ...] = FLAGS) -> Path:
     return cache_dir() / f"decode-{key.hexdigest()[:16]}.so"
 
 
-def default_flags() -> tuple[str, ...]:
-    """:data:`FLAGS`, with ``-march=$HYBRIDLLM_KERNEL_MARCH`` when that is set."""
-    march = os.environ.get(MARCH_ENV, "").strip()
+def default_flags(march: str | None = None) -> tuple[str, ...]:
+    """:data:`FLAGS`, with ``-march=`` ``march`` (default: ``$HYBRIDLLM_KERNEL_MARCH``) where set."""
+    march = (os.environ.get(MARCH_ENV, "") if march is None else march).strip()
     if not march:
         return FLAGS
     if not all(c.isalnum() or c in "-_." for c in march):
@@ -154,11 +154,13 @@ def _compile(compiler: str, target: Path, flags: tuple[str, ...]) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def build_library(extra_flags: tuple[str, ...] = ()) -> LoadedLibrary:
+def build_library(extra_flags: tuple[str, ...] = (), march: str | None = None) -> LoadedLibrary:
     """Build (if not cached) and load the kernels with ``extra_flags`` after the default flags
-    (e.g. ``("-mno-avx2",)`` builds the portable path on an AVX2 machine, as the tests do)."""
+    (e.g. ``("-mno-avx2",)`` builds the portable path on an AVX2 machine, as the tests do), for
+    ``march`` (default: ``$HYBRIDLLM_KERNEL_MARCH``, else native): ``march="x86-64-v3"`` is the
+    very build a process started with ``HYBRIDLLM_KERNEL_MARCH=x86-64-v3`` loads (one cached copy)."""
     compiler = find_compiler()
-    flags = (*default_flags(), *extra_flags)
+    flags = (*default_flags(march), *extra_flags)
     target = library_path(compiler, flags)
     t0 = time.perf_counter()
     built = not target.exists()
