@@ -53,6 +53,12 @@ def _have_compiler() -> bool:
 NEEDS_COMPILER = pytest.mark.skipif(not _have_compiler(), reason="needs a C++ compiler for the native kernels")
 
 
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` (False where there is none)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and f" {flag}" in cpuinfo.read_text(errors="replace")
+
+
 @pytest.fixture(scope="session")
 def portable_library():
     """The kernels built without x86 vector extensions (no AVX2, FMA or F16C): the path of other CPUs."""
@@ -67,8 +73,7 @@ def avx2_library():
     also on an AVX-512 machine; the very build ``HYBRIDLLM_KERNEL_MARCH=x86-64-v3`` loads."""
     from hybridllm.kernels import build, native
 
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists() or " avx2" not in cpuinfo.read_text(errors="replace"):
+    if not _cpu_has("avx2"):
         pytest.skip("needs an x86 CPU with AVX2")
     return native._declare(build.build_library(march="x86-64-v3").library)
 
@@ -79,8 +84,7 @@ def avx2_vnni_library():
     None where the CPU has no AVX-VNNI."""
     from hybridllm.kernels import build, native
 
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists() or " avx_vnni" not in cpuinfo.read_text(errors="replace"):
+    if not _cpu_has("avx_vnni"):
         return None
     return native._declare(build.build_library(("-mavxvnni",), march="x86-64-v3").library)
 

@@ -102,7 +102,7 @@ struct DenseRows {
 };
 
 template <bool FOUR>
-inline float code_at(const uint8_t* row, int64_t i) {
+inline float kv_code_at(const uint8_t* row, int64_t i) {
   return static_cast<float>(FOUR ? (i % 2 ? row[i / 2] >> 4 : row[i / 2] & 15) : row[i]);
 }
 
@@ -137,7 +137,7 @@ inline f32xW code_vector(const uint8_t* row, int64_t i) {
   return load<f32xW>(&wide);
 #else
   f32xW codes;
-  for (int l = 0; l < WLANES; ++l) codes[l] = code_at<FOUR>(row, i + l);
+  for (int l = 0; l < WLANES; ++l) codes[l] = kv_code_at<FOUR>(row, i + l);
   return codes;
 #endif
 }
@@ -187,7 +187,7 @@ struct CodeRows {
   }
   float value(int64_t t, int64_t i) const {
     const int64_t at = row_at[t] + (per_vector ? vector_scale[i / WLANES] : i);
-    return std::fma(code_at<FOUR>(codes + t * row_bytes, i), scales[at], zeros[at]);
+    return std::fma(kv_code_at<FOUR>(codes + t * row_bytes, i), scales[at], zeros[at]);
   }
 };
 

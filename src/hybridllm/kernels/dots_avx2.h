@@ -215,23 +215,18 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, in
         for (int m = 0; m < MT; ++m) {
           const int8_t* hi = a[m].high(g);
           const int8_t* lo = a[m].low(g);
-          // D = 128 (u . q) + u . q_low over inputs 0-15 (d_a) and 16-31 (d_b), or all 32 (d_a).
-          __m256i d_a, d_b = _mm256_setzero_si256();
-          if constexpr (T.halves()) {
-            d_a = _mm256_add_epi32(quads_dot<F, 4>(q, hi, 128), quads_dot<F, 4>(q, lo, 1));
-            d_b = _mm256_add_epi32(quads_dot<F, 4>(q + 4, hi + 16, 128), quads_dot<F, 4>(q + 4, lo + 16, 1));
-          } else {
-            d_a = _mm256_add_epi32(quads_dot<F, 8>(q, hi, 128), quads_dot<F, 8>(q, lo, 1));
-          }
           const int32_t* sums = a[m].digit_sums + 2 * g;
           const __m256 ds = _mm256_set1_ps(a[m].dot_scales[g]);
+          // D = 128 (u . q) + u . q_low, less the offset: over inputs 0-15 and 16-31 (halves), or all 32.
           if constexpr (T.halves()) {
+            __m256i d_a = _mm256_add_epi32(quads_dot<F, 4>(q, hi, 128), quads_dot<F, 4>(q, lo, 1));
+            __m256i d_b = _mm256_add_epi32(quads_dot<F, 4>(q + 4, hi + 16, 128), quads_dot<F, 4>(q + 4, lo + 16, 1));
             d_a = _mm256_sub_epi32(d_a, _mm256_set1_epi32(OFFSET * sums[0]));
             d_b = _mm256_sub_epi32(d_b, _mm256_set1_epi32(OFFSET * sums[1]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_a), _mm256_mul_ps(scales.scale, ds), acc[m]);
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_b), _mm256_mul_ps(scales.scale_b, ds), acc[m]);
           } else {
-            __m256i d = d_a;
+            __m256i d = _mm256_add_epi32(quads_dot<F, 8>(q, hi, 128), quads_dot<F, 8>(q, lo, 1));
             if constexpr (OFFSET != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(OFFSET * (sums[0] + sums[1])));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scales.scale, ds), acc[m]);
             if constexpr (T.has_min()) acc[m] = _mm256_fmadd_ps(scales.min, _mm256_set1_ps(a[m].sums[g]), acc[m]);
