@@ -251,6 +251,17 @@ def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, 
 
 
 @pytest.mark.cuda
+def test_graphs_are_captured_again_after_the_pool_grows(tiny_models):
+    # The first H100 run: prefill grew the pool after the warm-up's capture, the old graphs were
+    # dropped, and the next capture into their memory pool failed PyTorch's use-count assertion.
+    model = _model(tiny_models, device=CUDA, dtype=torch.float32)
+    prompt = _prompts(model.config.vocab_size)[2]
+    tokens, backend = _static_greedy(model, [prompt], steps=140, device=CUDA)  # past one 128-token page
+    assert backend.pool.generation >= 2 and backend.captured_keys
+    assert tokens[0] == _eager_greedy(model, prompt, steps=140, device=CUDA)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("backend_name", ["eager", "cuda-graph"])
 def test_greedy_parity_with_transformers_on_the_gpu(tiny_models, backend_name):
     from hybridllm import LLM

@@ -93,10 +93,16 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             print(f"round {i + 1} {name:>14}: {result['wall_s']:6.2f} s, "
                   f"{result['generated_tokens_per_s']:7.1f} generated tok/s, {result['failed']} failed", flush=True)
     medians = {name: statistics.median(r["generated_tokens_per_s"] for r in runs) for name, runs in rounds.items()}
-    ratio = medians["batched"] / medians["one_at_a_time"]
     failed = sum(r["failed"] for runs in rounds.values() for r in runs)
-    print(f"median generated tok/s: {medians['batched']:.1f} with {args.concurrency} in flight, "
-          f"{medians['one_at_a_time']:.1f} one at a time: {ratio:.2f}x; {failed} failed requests")
+    errors = [error for runs in rounds.values() for r in runs for error in r["errors"]]
+    if not medians["one_at_a_time"]:  # nothing generated one at a time: no ratio to give
+        ratio = None
+        print(f"median generated tok/s: {medians['batched']:.1f} with {args.concurrency} in flight, none one at "
+              f"a time: no ratio; {failed} failed requests" + (f" (first error: {errors[0]})" if errors else ""))
+    else:
+        ratio = medians["batched"] / medians["one_at_a_time"]
+        print(f"median generated tok/s: {medians['batched']:.1f} with {args.concurrency} in flight, "
+              f"{medians['one_at_a_time']:.1f} one at a time: {ratio:.2f}x; {failed} failed requests")
     return {"rounds": rounds, "median_tokens_per_s": medians, "ratio": ratio, "failed": failed}
 
 

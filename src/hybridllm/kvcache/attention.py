@@ -301,7 +301,30 @@ def partial_attention(
     """
     if q.device.type == "cpu" and _FUSED_CPU is not None and q.dtype == k.dtype == v.dtype:
         return fused_partial_attention(q, k, v, mask)
+    if q.device.type == "cuda" and mask is None and _FUSED_CUDA is not None and q.dtype == k.dtype == v.dtype:
+        return fused_cuda_partial_attention(q, k, v)
     return reference_partial_attention(q, k, v, mask)
+
+
+def lower_right_partial_attention(q: torch.Tensor, k: torch.Tensor,
+                                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` of the last T positions of S keys, causal (lower-right): the
+    past keys (every query sees them) and the new block (T x T, causal) as two partials merged
+    by log-sum-exp. On CUDA both run in the fused memory-efficient kernel (no (T, S) score
+    matrix); elsewhere the block takes a (T, T) mask.
+
+    q: (B, H, T, D); k, v: (B, Hkv, S, D), S >= T. Returns out (B, H, T, D), lse (B, H, T), float32.
+    """
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    past = n_keys - n_queries
+    block_k, block_v = k[:, :, past:], v[:, :, past:]  # (B, Hkv, T, D): the queries' own keys
+    if q.device.type == "cuda" and _FUSED_CUDA is not None and q.dtype == k.dtype == v.dtype:
+        block = fused_cuda_partial_attention(q, block_k, block_v, causal=True)
+    else:
+        block = partial_attention(q, block_k, block_v, causal_mask(n_queries, n_queries, 0, q.device))
+    if past == 0:
+        return block
+    return merge_partials_with_lse([partial_attention(q, k[:, :, :past], v[:, :, :past]), block])
 
 
 # PyTorch's CPU flash-attention kernel, which also returns the log-sum-exp (a private op: if a
@@ -332,6 +355,33 @@ def fused_partial_attention(
     return out, lse
 
 
+# PyTorch's memory-efficient CUDA kernel, which returns the log-sum-exp too (a private op: where a
+# release lacks it, the explicit version takes over).
+_FUSED_CUDA = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+
+
+def fused_cuda_partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`partial_attention` through PyTorch's memory-efficient CUDA kernel (no (T, S) score
+    matrix). Without a mask the grouped query heads fold into the query axis (K/V never repeat);
+    ``causal`` (a square T x T block, so upper-left and lower-right alignments agree) needs a K/V
+    head per query head, repeated."""
+    batch, n_heads, n_queries, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    groups = n_heads // n_kv_heads
+    if causal:
+        if n_queries != k.shape[2]:
+            raise ValueError(f"a causal partial needs a square block, got {n_queries} queries over {k.shape[2]} keys")
+        q_rows = q
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, H, T, D)
+    else:
+        q_rows = q.reshape(batch, n_kv_heads, groups * n_queries, head_dim)  # (B, Hkv, G*T, D)
+    out, lse = _FUSED_CUDA(q_rows, k, v, None, True, 0.0, causal)[:2]  # lse (B, heads, rows padded to 32)
+    out = out.float().reshape(batch, n_heads, n_queries, head_dim)
+    lse = lse[..., :q_rows.shape[2]].float().reshape(batch, n_heads, n_queries)
+    return out, lse
+
+
 def reference_partial_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,12 +405,19 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     With m = max_i lse_i: out = sum_i e^(lse_i - m) out_i / sum_i e^(lse_i - m).
     Every part must be on the same device; returns (B, H, T, D) float32.
     """
+    return merge_partials_with_lse(parts)[0]
+
+
+def merge_partials_with_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_partials` and the union's log-sum-exp, m + log sum_i e^(lse_i - m), so that the
+    result merges further (a running merge over slices of keys keeps one partial in memory)."""
     lses = torch.stack([lse for _, lse in parts])  # (P, B, H, T)
     m = lses.max(dim=0).values
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     scale = torch.exp(lses - m)  # (P, B, H, T); parts with lse=-inf get 0
     num = sum(s.unsqueeze(-1) * out for s, (out, _) in zip(scale, parts))
-    return num / scale.sum(dim=0).unsqueeze(-1)
+    total = scale.sum(dim=0)  # (B, H, T)
+    return num / total.unsqueeze(-1), m + torch.log(total)
 
 
 def quantized_partial_attention(

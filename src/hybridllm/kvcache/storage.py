@@ -130,6 +130,8 @@ class TokenStore(ABC):
         spec: the cache's shape and compute dtype.
     """
 
+    token_granule = 1  # tokens appended, truncated and read apart together (quantized key groups)
+
     def __init__(self, buffer: LedgeredBuffer, spec: KVSpec) -> None:
         self.buffer = buffer
         self.spec = spec
@@ -141,8 +143,17 @@ class TokenStore(ABC):
         """(B, Hkv, n, D) keys/values -> one tensor per field, token rows along dim 2."""
 
     @abstractmethod
-    def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of tokens ``start .. end-1`` as (B, Hkv, end-start, D) in the compute dtype."""
+    def _decode(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``start .. end-1`` as (B, Hkv, end-start, D) in the compute
+        dtype on ``device``: the stored rows cross to ``device`` as they are, then are decoded there."""
+
+    def _rows_on(self, start: int, end: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Every field's rows of tokens ``start .. end-1`` (aligned as :meth:`LedgeredBuffer.rows`
+        needs), on ``device``: views where it is the store's own."""
+        rows = {name: self.buffer.rows(name, start, end) for name in self.buffer.fields}
+        if device == self.device:
+            return rows
+        return {name: row.to(device, non_blocking=True) for name, row in rows.items()}
 
     # ---- shared behaviour ---------------------------------------------------------------
     @property
@@ -192,17 +203,26 @@ class TokenStore(ABC):
         self.length += n
         return tensor_bytes(*encoded.values())
 
-    def read(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of tokens ``start .. end-1``: (B, Hkv, end-start, D) in the compute dtype."""
+    def read(self, start: int = 0, end: int | None = None,
+             device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``start .. end-1``: (B, Hkv, end-start, D) in the compute dtype,
+        on ``device`` (default: the store's own; another one gets the stored bytes, decoded there)."""
         end = self.length if end is None else end
+        device = self.device if device is None else device
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"read {start}..{end} outside the {self.length} stored tokens")
         if start == end:  # possibly nothing allocated yet
             spec = self.spec
             shape = (spec.batch_size, spec.n_kv_heads, 0, spec.head_dim)
-            empty = torch.empty(shape, dtype=spec.dtype, device=self.device)
+            empty = torch.empty(shape, dtype=spec.dtype, device=device)
             return empty, empty
-        return self._decode(start, end)
+        return self._decode(start, end, device)
+
+    def stored_bytes(self, start: int, end: int) -> int:
+        """Bytes of the stored rows :meth:`read` of ``start .. end-1`` moves to another device."""
+        granule = max(field.tokens_per_row for field in self.buffer.fields.values())
+        first, last = start // granule * granule, -(-end // granule) * granule
+        return tensor_bytes(*(self.buffer.rows(name, first, last) for name in self.buffer.fields))
 
     def truncate(self, length: int) -> None:
         """Forget tokens ``length ..`` (storage is kept for reuse)."""
@@ -248,8 +268,9 @@ class DenseKV(TokenStore):
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"k": k, "v": v}
 
-    def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.buffer.rows("k", start, end), self.buffer.rows("v", start, end)
+    def _decode(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._rows_on(start, end, device)
+        keys, values = rows["k"], rows["v"]  # (B, Hkv, end-start, D) each
         if self.storage_dtype != self.spec.dtype:  # a compute-dtype copy for PyTorch's attention
             return keys.to(self.spec.dtype), values.to(self.spec.dtype)
         return keys, values
@@ -327,11 +348,11 @@ class QuantizedKV(TokenStore):
         return {"k_codes": k_codes, "k_scale": k_scale, "k_zero": k_zero,
                 "v_codes": v_codes, "v_scale": v_scale, "v_zero": v_zero}
 
-    def _decode(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         granule = self.token_granule
         first = start // granule * granule  # per-channel key groups are decoded whole
         last = -(-end // granule) * granule
-        rows = {name: self.buffer.rows(name, first, last) for name in self.buffer.fields}
+        rows = self._rows_on(first, last, device)  # codes, scales and zeros cross; decoded on ``device``
         dtype = self.spec.dtype
         if self.keys_per_token:
             k = dequantize(rows["k_codes"], rows["k_scale"], rows["k_zero"], self.bits, self.v_group, 3, dtype)

@@ -197,11 +197,19 @@ class CudaGraphBackend(EagerBackend):
 
     def _follow_pool(self) -> None:
         """After the pool reallocated: drop the graphs over the old buffers, rebuild the rotary
-        tables for the new capacity and the padding's scratch column."""
+        tables for the new capacity and the padding's scratch column.
+
+        The new graphs capture into a new private memory pool. Destroying every graph of a pool
+        drops its use count to zero while blocks allocated during capture (cuBLAS's workspace for
+        the capture stream) stay alive, and PyTorch then refuses a capture into that pool id
+        (``use_count > 0 INTERNAL ASSERT``: what the first H100 run hit after prefill grew the pool).
+        """
         pool = self.pool
         if pool.generation == self._generation:
             return
         self._graphs.clear()
+        if self.captures:  # a fresh memory pool for the new graphs (see the docstring)
+            self._graph_pool = torch.cuda.graph_pool_handle()
         cos, sin = self.model.rotary.cos_sin(torch.arange(pool.capacity)[None], self.model.compute_dtype)
         self._cos, self._sin = cos[0, 0].to(self.device), sin[0, 0].to(self.device)  # (capacity, rotary_dim)
         self._padding[COLUMNS] = pool.scratch_column
@@ -256,10 +264,10 @@ class CudaGraphBackend(EagerBackend):
         side.wait_stream(current)
         with torch.cuda.stream(side):
             self._forward(bucket, span, attention)  # lazy initialisations (cuBLAS handles) outside the capture
-        current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool, stream=side):  # the warmed-up stream captures
             logits = self._forward(bucket, span, attention)
+        current.wait_stream(side)
         return CapturedStep(graph, logits, attention)
 
     def _replay_ms(self, captured: CapturedStep) -> float:
