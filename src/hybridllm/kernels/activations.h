@@ -29,11 +29,15 @@ struct InputRow {
   const float* x;           // (K,)
   const float* sums;        // (K/32,): float sum of each group
   const float* dot_scales;  // (K/32,): what a group's integer dots are multiplied by
-  const int8_t* digits;     // (K/32, 2, 32): each group's q, then its q_low
+  const int8_t* digits;     // group 0's q then q_low (2 x 32), the next group group_stride bytes on
   const int32_t* digit_sums;  // (K/32, 2): per half group (inputs 0-15, 16-31), 128 sum(q) + sum(q_low)
-  const int8_t* high(int64_t g) const { return digits + g * 2 * GROUP; }
-  const int8_t* low(int64_t g) const { return digits + g * 2 * GROUP + GROUP; }
+  int64_t group_stride;     // 2 x 32 (rows one after another), or 16 x 2 x 32 (tile blocks)
+  const int8_t* high(int64_t g) const { return digits + g * group_stride; }
+  const int8_t* low(int64_t g) const { return digits + g * group_stride + GROUP; }
 };
+
+// Bytes of one group's two digits of one row.
+constexpr int64_t DIGIT_BYTES = 2 * GROUP;
 
 // The prepared rows of one product's input (M, K). A thread prepares its own copy (decode: a
 // few rows, no barrier), or a team shares one (many rows): `reset` once, then `fill` by row
@@ -56,7 +60,8 @@ class InputRows {
     std::fill(sums_.begin() + rows * groups_, sums_.end(), 0.0f);
     std::fill(dot_scales_.begin() + rows * groups_, dot_scales_.end(), 0.0f);
     std::fill(digit_sums_.begin() + rows * groups_ * 2, digit_sums_.end(), 0);
-    std::fill(digits_.begin() + rows * 2 * groups_ * GROUP, digits_.end(), int8_t{0});
+    for (int64_t r = rows; r < padded_; ++r)
+      for (int64_t g = 0; g < groups_; ++g) std::memset(digits_.data() + digit_offset(r, g), 0, DIGIT_BYTES);
     tile_params_.resize(tiles ? padded_ * groups_ * TILE_PARAMS : 0);
   }
 
@@ -79,11 +84,13 @@ class InputRows {
   int64_t groups() const { return groups_; }
   InputRow row(int64_t i) const {
     return {x_ + i * k_, sums_.data() + i * groups_, dot_scales_.data() + i * groups_,
-            digits_.data() + i * 2 * groups_ * GROUP, digit_sums_.data() + i * groups_ * 2};
+            digits_.data() + digit_offset(i, 0), digit_sums_.data() + i * groups_ * 2,
+            tiles_ ? TILE_M * DIGIT_BYTES : DIGIT_BYTES};
   }
-  // Whole padded blocks of rows (M_padded, K/32, 2, 32): each group's high and low digits of
-  // 16 rows are AMX A operands (16 rows x 32 bytes, a row every 2K bytes).
-  const int8_t* digits() const { return digits_.data(); }
+  // With `tiles`, the digits of rows [16 block, 16 block + 16) as (K/32, 16, 2, 32): a group's
+  // high (or low) digits of the 16 rows are one AMX A operand, 16 rows x 32 bytes, a row every
+  // 64 bytes (one kilobyte read in order, where rows K apart made each load touch 16 far lines).
+  const int8_t* tile_digits(int64_t block) const { return digits_.data() + block * groups_ * TILE_M * DIGIT_BYTES; }
 
   // Rows [16 block, 16 block + 16), group g: 16 dot scales, 16 float sums, then 16 + 16 digit
   // sums (halves a and b) as int32 bits (TILE_PARAMS values of 4 bytes).
@@ -106,7 +113,7 @@ class InputRows {
     const float scale = amax / 127.0f;
     const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     dot_scales_[at] = scale / 128.0f;
-    int8_t* q = digits_.data() + at * 2 * GROUP;
+    int8_t* q = digits_.data() + digit_offset(r, g);
     int8_t* q_low = q + GROUP;
 #pragma omp simd
     for (int j = 0; j < GROUP; ++j) {
@@ -123,6 +130,12 @@ class InputRows {
       }
       digit_sums_[at * 2 + half] = 128 * high_sum + low_sum;
     }
+  }
+
+  // Where row r's group g digits lie: rows one after another, or (tiles) blocks of 16 rows per group.
+  int64_t digit_offset(int64_t r, int64_t g) const {
+    if (tiles_) return ((r / TILE_M * groups_ + g) * TILE_M + r % TILE_M) * DIGIT_BYTES;
+    return (r * groups_ + g) * DIGIT_BYTES;
   }
 
   void fill_tile_params(int64_t block) {

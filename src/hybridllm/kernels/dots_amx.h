@@ -11,6 +11,7 @@
 // (arch_prctl); hl_set_amx(0) turns them off (the tests compare both ways).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
@@ -116,21 +117,33 @@ __attribute__((always_inline)) inline void group_float_steps(__m512 (&acc)[TILE_
   }
 }
 
-// One row block of a tiled format (16 output rows, `tiles`: its first tile) for every input row:
-// its quads and scales unpacked once (L1/L2), then per 16 input rows and group the tile
-// multiplies of the two digits and the float steps on each input row's 16 dots.
+// Unpacked quads and scales of the weight row blocks that one pass keeps warm in L2 beside an input
+// tile (Sapphire Rapids: 2 MiB of L2 per core): each 16-input-row tile of digits is read from memory
+// once per pass, not once per row block (K = 8192: 256 KiB per input tile, 180 KiB per row block).
+constexpr int64_t PASS_UNPACKED_BYTES = 1 << 20;
+
+// Row blocks per pass of `groups` groups each (at least one).
+inline int64_t blocks_per_pass(int64_t groups) {
+  return std::max<int64_t>(1, PASS_UNPACKED_BYTES / (groups * UNPACKED_GROUP));
+}
+
+// Weight rows [0, n_rows) of a tiled format (row blocks of 16 from `tiles`, n_tiles tiles each,
+// the last one possibly partial) for every input row: every block's quads and scales unpacked
+// once, then per 16 input rows, per block and per group the tile multiplies of the two digits and
+// the float steps on each input row's 16 dots.
 template <int32_t F>
-void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int n_valid,
+void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int64_t n_rows,
                 const float* row_scales) {
   constexpr TypeLayout T = layout_of(F);
   constexpr int64_t GROUPS_PER_TILE = T.groups();
   const int64_t groups = n_tiles * GROUPS_PER_TILE;
+  const int64_t n_blocks = (n_rows + TILE_M - 1) / TILE_M;
   thread_local AlignedScratch scratch;
-  uint8_t* unpacked = scratch.get(groups * UNPACKED_GROUP);
-  for (int64_t s = 0; s < n_tiles; ++s) {
+  uint8_t* unpacked_blocks = scratch.get(n_blocks * groups * UNPACKED_GROUP);
+  for (int64_t s = 0; s < n_blocks * n_tiles; ++s) {  // the blocks' tiles lie one after another
     const uint8_t* tile = tiles + s * T.tile_bytes();
     for (int64_t gi = 0; gi < GROUPS_PER_TILE; ++gi) {
-      uint8_t* group = unpacked + (s * GROUPS_PER_TILE + gi) * UNPACKED_GROUP;
+      uint8_t* group = unpacked_blocks + (s * GROUPS_PER_TILE + gi) * UNPACKED_GROUP;
       __m512i q[8];
       avx512::unpack_quads<F>(group_codes(T, tile, gi), q);
       for (int i = 0; i < 8; ++i) _mm512_store_si512(group + i * QUAD_BYTES, q[i]);
@@ -141,12 +154,17 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, fl
       _mm512_store_ps(vectors + 32, scales.min);
     }
   }
-  const int64_t k = groups * GROUP;
-  alignas(64) int32_t dots[2][2][TILE_M * 16];  // [group parity, or half][digit]
-  const __mmask16 valid = static_cast<__mmask16>((1u << n_valid) - 1);
-  const __m512 scales_of_rows = T.scales == Scales::ROW ? _mm512_maskz_loadu_ps(valid, row_scales) : _mm512_setzero_ps();
-  for (int64_t m0 = 0; m0 < acts.rows(); m0 += TILE_M) {
-    const int8_t* high = acts.digits() + m0 * 2 * k;  // group g's digits at 2 GROUP g, rows 2 k apart
+  constexpr int64_t GROUP_BYTES = TILE_M * DIGIT_BYTES;  // a group's digits of a block's 16 rows
+  alignas(64) int32_t dots[2][2][TILE_M * 16];  // [half][digit] (Q6_K)
+  alignas(64) int32_t ring[4][2][TILE_M * 16];  // [group % 4][digit]
+  for (int64_t m0 = 0; m0 < acts.rows(); m0 += TILE_M)
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    const uint8_t* unpacked = unpacked_blocks + b * groups * UNPACKED_GROUP;
+    const int n_valid = static_cast<int>(std::min<int64_t>(TILE_M, n_rows - b * TILE_M));
+    const __mmask16 valid = static_cast<__mmask16>((1u << n_valid) - 1);
+    const __m512 scales_of_rows =
+        T.scales == Scales::ROW ? _mm512_maskz_loadu_ps(valid, row_scales + b * TILE_M) : _mm512_setzero_ps();
+    const int8_t* high = acts.tile_digits(m0 / TILE_M);  // group g's 16 rows at TILE_M DIGIT_BYTES g, 64 bytes apart
     const int8_t* low = high + GROUP;
     __m512 acc[TILE_M];
     for (int r = 0; r < TILE_M; ++r) acc[r] = _mm512_setzero_ps();
@@ -156,8 +174,8 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, fl
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* quads = unpacked + g * UNPACKED_GROUP;
         for (int half = 0; half < 2; ++half) {  // inputs 16 half .. 16 half + 15: quads 4 half .. 4 half + 3
-          _tile_loadd(HL_INPUT_HIGH, high + g * 2 * GROUP + 16 * half, 2 * k);
-          _tile_loadd(HL_INPUT_LOW, low + g * 2 * GROUP + 16 * half, 2 * k);
+          _tile_loadd(HL_INPUT_HIGH, high + g * GROUP_BYTES + 16 * half, DIGIT_BYTES);
+          _tile_loadd(HL_INPUT_LOW, low + g * GROUP_BYTES + 16 * half, DIGIT_BYTES);
           _tile_loadd(HL_QUADS, quads + 4 * half * QUAD_BYTES, QUAD_BYTES);
           _tile_zero(HL_DOTS_HIGH);
           _tile_zero(HL_DOTS_LOW);
@@ -170,42 +188,45 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, fl
       }
     } else {
       configure(GROUP);
-// Group g's tile multiplies into a pair of dot tiles, then (separately: the float steps of the
-// previous group run while the multiplies do, and a tile store ahead of them would hold their
-// loads back) the pair's store.
+// Group g's tile multiplies into a pair of dot tiles (even groups the first pair, odd ones the
+// second), and the pair's store into the ring's slot g % 4. The float steps two groups behind run
+// between the two: the dots they read were stored an iteration ago, so neither the multiply's
+// latency nor the store's stands between a group's float steps and its dots.
 #define HL_GROUP_MULTIPLY(HIGH, LOW, g)                                         \
   do {                                                                          \
-    _tile_loadd(HL_INPUT_HIGH, high + (g) * 2 * GROUP, 2 * k);                  \
-    _tile_loadd(HL_INPUT_LOW, low + (g) * 2 * GROUP, 2 * k);                    \
+    _tile_loadd(HL_INPUT_HIGH, high + (g) * GROUP_BYTES, DIGIT_BYTES);           \
+    _tile_loadd(HL_INPUT_LOW, low + (g) * GROUP_BYTES, DIGIT_BYTES);             \
     _tile_loadd(HL_QUADS, unpacked + (g) * UNPACKED_GROUP, QUAD_BYTES);         \
     _tile_zero(HIGH);                                                           \
     _tile_zero(LOW);                                                            \
     _tile_dpbsud(HIGH, HL_INPUT_HIGH, HL_QUADS);                                \
     _tile_dpbsud(LOW, HL_INPUT_LOW, HL_QUADS);                                  \
   } while (0)
-#define HL_STORE_DOTS(HIGH, LOW, parity)         \
-  do {                                           \
-    _tile_stored(HIGH, dots[parity][0], 64);     \
-    _tile_stored(LOW, dots[parity][1], 64);      \
+#define HL_STORE_DOTS(HIGH, LOW, g)            \
+  do {                                         \
+    _tile_stored(HIGH, ring[(g) % 4][0], 64);  \
+    _tile_stored(LOW, ring[(g) % 4][1], 64);   \
   } while (0)
-      HL_GROUP_MULTIPLY(HL_DOTS_HIGH, HL_DOTS_LOW, 0);
-      HL_STORE_DOTS(HL_DOTS_HIGH, HL_DOTS_LOW, 0);
-      for (int64_t g = 0; g < groups; g += 2) {  // even groups in the first pair of tiles, odd ones in the second
-        if (g + 1 < groups) HL_GROUP_MULTIPLY(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g + 1);
-        group_float_steps<F>(acc, dots[0], nullptr, unpacked + g * UNPACKED_GROUP, acts.tile_params(block, g));
-        if (g + 1 < groups) HL_STORE_DOTS(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, 1);
-        if (g + 2 < groups) HL_GROUP_MULTIPLY(HL_DOTS_HIGH, HL_DOTS_LOW, g + 2);
-        if (g + 1 < groups)
-          group_float_steps<F>(acc, dots[1], nullptr, unpacked + (g + 1) * UNPACKED_GROUP,
-                               acts.tile_params(block, g + 1));
-        if (g + 2 < groups) HL_STORE_DOTS(HL_DOTS_HIGH, HL_DOTS_LOW, 0);
+#define HL_FLOAT_STEPS(g) \
+  group_float_steps<F>(acc, ring[(g) % 4], nullptr, unpacked + (g) * UNPACKED_GROUP, acts.tile_params(block, g))
+      for (int64_t g = 0; g < groups; g += 2) {
+        HL_GROUP_MULTIPLY(HL_DOTS_HIGH, HL_DOTS_LOW, g);
+        if (g >= 2) HL_FLOAT_STEPS(g - 2);
+        HL_STORE_DOTS(HL_DOTS_HIGH, HL_DOTS_LOW, g);
+        if (g + 1 < groups) {
+          HL_GROUP_MULTIPLY(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g + 1);
+          if (g >= 1) HL_FLOAT_STEPS(g - 1);
+          HL_STORE_DOTS(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g + 1);
+        }
       }
+      for (int64_t g = groups >= 2 ? groups - 2 : 0; g < groups; ++g) HL_FLOAT_STEPS(g);
 #undef HL_GROUP_MULTIPLY
 #undef HL_STORE_DOTS
+#undef HL_FLOAT_STEPS
     }
     for (int64_t r = 0; r < TILE_M && m0 + r < acts.rows(); ++r) {
       if constexpr (T.scales == Scales::ROW) acc[r] = _mm512_mul_ps(acc[r], scales_of_rows);
-      _mm512_mask_storeu_ps(out + (m0 + r) * n_out, valid, acc[r]);
+      _mm512_mask_storeu_ps(out + (m0 + r) * n_out + b * TILE_M, valid, acc[r]);
     }
   }
 }

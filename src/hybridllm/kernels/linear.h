@@ -39,11 +39,7 @@ inline bool tile_product(int32_t format, int64_t rows) {
 template <int32_t F>
 void tiled_block(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int n_valid,
                  const float* row_scales, bool tiles_product) {
-#if HL_AMX
-  if (tiles_product) return amx::tiled_rows<F>(tiles, n_tiles, acts, out, n_out, n_valid, row_scales);
-#else
-  (void)tiles_product;
-#endif
+  (void)tiles_product;  // the tiles take whole passes of row blocks (tiled_range)
 #if HL_AVX512_VNNI
   namespace isa = avx512;
 #elif HL_AVX2
@@ -66,6 +62,15 @@ void tiled_range(const HLLinear& w, const InputRows& acts, float* out, int64_t n
   const int64_t n_tiles = w.in_features / T.super;
   const auto* base = static_cast<const uint8_t*>(w.weight);
   const auto* row_scales = static_cast<const float*>(w.scales);
+#if HL_AMX
+  if (tiles_product) {  // passes of several row blocks, each input tile read once per pass
+    const int64_t pass_rows = amx::blocks_per_pass(n_tiles * T.groups()) * TILE_ROWS;
+    for (int64_t n = n0; n < n1; n += pass_rows)
+      amx::tiled_rows<F>(base + (n / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n, n_out,
+                         std::min(pass_rows, n1 - n), row_scales == nullptr ? nullptr : row_scales + n);
+    return;
+  }
+#endif
   for (int64_t n = n0; n < n1; n += TILE_ROWS)
     tiled_block<F>(base + (n / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n, n_out,
                    static_cast<int>(std::min(TILE_ROWS, n1 - n)), row_scales == nullptr ? nullptr : row_scales + n,
