@@ -313,6 +313,14 @@ void block_scores(const float* q, const Keys& keys, int64_t n, int64_t d, float 
 // ---- values --------------------------------------------------------------------------------
 // acc[g * d + i] = fma(p[g * stride + t], value_t[i], acc[g * d + i]) for t = 0 .. n - 1 in order
 // (acc holds the sums so far: a block's keys may come from several stores).
+// Value vectors per query held in registers at once when a block's G queries' whole rows (G x VECS
+// vectors) are more than 24 accumulators: the largest span dividing VECS within them.
+constexpr int value_span(int g, int vecs) {
+  for (int span = vecs; span > 1; --span)
+    if (vecs % span == 0 && g * span <= 24) return span;
+  return 1;
+}
+
 template <int VECS, int G, typename Values>
 void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc) {
   constexpr int64_t D = WLANES * VECS;
@@ -330,13 +338,22 @@ void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t s
     }
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[g][i]);
-  } else {
-    for (int g = 0; g < G; ++g) {
-      f32xW a[VECS];
-      for (int i = 0; i < VECS; ++i) a[i] = load<f32xW>(acc + g * D + WLANES * i);
-      for (int64_t t = 0; t < n; ++t)
-        for (int i = 0; i < VECS; ++i) a[i] = fma_wide(f32xW{} + p[g * stride + t], values.vector(t, WLANES * i), a[i]);
-      for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[i]);
+  } else {  // the same sums, VALUE_SPAN vectors of every query at a time (each value vector read once per span)
+    constexpr int SPAN = value_span(G, VECS);
+    for (int i0 = 0; i0 < VECS; i0 += SPAN) {
+      f32xW a[G][SPAN];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < SPAN; ++i) a[g][i] = load<f32xW>(acc + g * D + WLANES * (i0 + i));
+      for (int64_t t = 0; t < n; ++t) {
+        f32xW weight[G];
+        for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
+        for (int i = 0; i < SPAN; ++i) {
+          const f32xW v = values.vector(t, WLANES * (i0 + i));
+          for (int g = 0; g < G; ++g) a[g][i] = fma_wide(weight[g], v, a[g][i]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < SPAN; ++i) store(acc + g * D + WLANES * (i0 + i), a[g][i]);
     }
   }
 }
