@@ -89,7 +89,7 @@ class InputRows {
   }
   // With `tiles`, the digits of rows [16 block, 16 block + 16) as (K/32, 16, 2, 32): a group's
   // high (or low) digits of the 16 rows are one AMX A operand, 16 rows x 32 bytes, a row every
-  // 64 bytes (one kilobyte read in order, where rows K apart made each load touch 16 far lines).
+  // 64 bytes (one kilobyte read in order, where rows 2K bytes apart made each load touch 16 far lines).
   const int8_t* tile_digits(int64_t block) const { return digits_.data() + block * groups_ * TILE_M * DIGIT_BYTES; }
 
   // Rows [16 block, 16 block + 16), group g: 16 dot scales, 16 float sums, then 16 + 16 digit

@@ -35,11 +35,10 @@ inline bool tile_product(int32_t format, int64_t rows) {
 }
 
 // One row block (16 weight rows from `n`, n_valid of them real) of tiled format F for every input
-// row, by the build's kernel.
+// row, by the build's vector kernel (AMX tiles take whole passes of row blocks: tiled_range).
 template <int32_t F>
 void tiled_block(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int n_valid,
-                 const float* row_scales, bool tiles_product) {
-  (void)tiles_product;  // the tiles take whole passes of row blocks (tiled_range)
+                 const float* row_scales) {
 #if HL_AVX512_VNNI
   namespace isa = avx512;
 #elif HL_AVX2
@@ -70,11 +69,12 @@ void tiled_range(const HLLinear& w, const InputRows& acts, float* out, int64_t n
                          std::min(pass_rows, n1 - n), row_scales == nullptr ? nullptr : row_scales + n);
     return;
   }
+#else
+  (void)tiles_product;
 #endif
   for (int64_t n = n0; n < n1; n += TILE_ROWS)
     tiled_block<F>(base + (n / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n, n_out,
-                   static_cast<int>(std::min(TILE_ROWS, n1 - n)), row_scales == nullptr ? nullptr : row_scales + n,
-                   tiles_product);
+                   static_cast<int>(std::min(TILE_ROWS, n1 - n)), row_scales == nullptr ? nullptr : row_scales + n);
 }
 
 // out[m * n_out + n] for n in [n0, n1) (n0 a multiple of 16) of x (rows, K) @ W.T + bias:
