@@ -48,21 +48,30 @@ def main() -> None:
     files = models_preset.model_files(names, args.configs, args.folder)
     grid = models_preset.models_grid(files, baselines, new_tokens=args.new_tokens, threads=args.threads,
                                      repeat=args.repeat, weights="auto", kv_options={"kv_dtype": args.kv_dtype})
-    rows = run_sweep(grid, progress=True)
-    models_preset.print_models(rows, files)
-    machine = report.machine_info()
     command = "HYBRIDLLM_KERNEL_MARCH=" + os.environ.get("HYBRIDLLM_KERNEL_MARCH", "native") + " " + \
         " ".join(shlex.quote(a) for a in [".venv/bin/python", "tools/models_bench.py", *sys.argv[1:]])
-    settings = {"command": command, "started": started, "load_average": [load_start, os.getloadavg()[0]],
-                "machine": machine, "files": {n: str(p) for n, p in files.items()}}
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
-    if args.markdown:
-        Path(args.markdown).write_text(
-            f"Measured {started[:16].replace('T', ' ')} UTC on {machine['cpu']}, {machine['cores']} cores "
-            f"(load average {load_start:.2f} at the start, {settings['load_average'][1]:.2f} at the end):\n\n"
-            f"```\n{command}\n```\n\n" + models_preset.table_markdown(rows, files) + "\n")
+    machine = report.machine_info()
+    done: list[dict] = []
 
+    def write(rows: list[dict]) -> None:
+        """The JSON and Markdown of the rows so far (after every row: an interrupted run keeps them)."""
+        settings = {"command": command, "started": started, "load_average": [load_start, os.getloadavg()[0]],
+                    "machine": machine, "files": {n: str(p) for n, p in files.items()}}
+        if args.json:
+            Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
+        if args.markdown:
+            Path(args.markdown).write_text(
+                f"Measured {started[:16].replace('T', ' ')} UTC on {machine['cpu']}, {machine['cores']} cores "
+                f"(load average {load_start:.2f} at the start, {settings['load_average'][1]:.2f} at the end):\n\n"
+                f"```\n{command}\n```\n\n" + models_preset.table_markdown(rows, files) + "\n")
+
+    def on_row(row: dict) -> None:
+        done.append(row)
+        write(done)
+
+    rows = run_sweep(grid, progress=True, on_row=on_row)
+    models_preset.print_models(rows, files)
+    write(rows)
 
 if __name__ == "__main__":
     main()
