@@ -116,8 +116,8 @@ def device_plan(work: Path, kit: Path | None) -> Plan:
     long_config = widened_config(DEVICE_CONFIG, work / f"{DEVICE_CONFIG.stem}-512k.json",
                                  longest + long_new_tokens)
     return Plan("device", "cuda", "bfloat16", DEVICE_CONFIG, long_config, contexts=(4096, 32768), longest=longest,
-                vram_budget="8GiB", new_tokens=128, peer_new_tokens=32, long_new_tokens=long_new_tokens, prefill_chunk=8192,
-                decode_steps=64, profile_steps=5, streams=16, stream_tokens=128, work=work, kit=kit)
+                vram_budget="8GiB", new_tokens=128, peer_new_tokens=32, long_new_tokens=long_new_tokens,
+                prefill_chunk=8192, decode_steps=64, profile_steps=5, streams=16, stream_tokens=128, work=work, kit=kit)
 
 
 def dry_plan(work: Path, kit: Path | None) -> Plan:
@@ -127,8 +127,8 @@ def dry_plan(work: Path, kit: Path | None) -> Plan:
     config = widened_config(DEVICE_CONFIG, work / "llama-tiny.json", 1024, TINY_SHAPE)
     long_config = widened_config(DEVICE_CONFIG, work / "llama-tiny-long.json", longest + 64, TINY_SHAPE)
     return Plan("dry run", "cpu", "bfloat16", config, long_config, contexts=(192, 384), longest=longest,
-                vram_budget="384KiB", new_tokens=4, peer_new_tokens=4, long_new_tokens=long_new_tokens, prefill_chunk=64,
-                decode_steps=4, profile_steps=2, streams=16, stream_tokens=8, work=work, kit=kit)
+                vram_budget="384KiB", new_tokens=4, peer_new_tokens=4, long_new_tokens=long_new_tokens,
+                prefill_chunk=64, decode_steps=4, profile_steps=2, streams=16, stream_tokens=8, work=work, kit=kit)
 
 
 @dataclass(frozen=True)

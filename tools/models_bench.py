@@ -69,9 +69,11 @@ def main() -> None:
         done.append(row)
         write(done)
 
-    rows = run_sweep(grid, progress=True, on_row=on_row)
+    rows = run_sweep(grid, progress=True, on_row=on_row)  # on_row wrote the files after the last row too
+    if not rows:  # an empty grid still writes its (empty) files
+        write(rows)
     models_preset.print_models(rows, files)
-    write(rows)
+
 
 if __name__ == "__main__":
     main()

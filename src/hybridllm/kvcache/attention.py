@@ -301,9 +301,14 @@ def partial_attention(
     """
     if q.device.type == "cpu" and _FUSED_CPU is not None and q.dtype == k.dtype == v.dtype:
         return fused_partial_attention(q, k, v, mask)
-    if q.device.type == "cuda" and mask is None and _FUSED_CUDA is not None and q.dtype == k.dtype == v.dtype:
+    if mask is None and _fused_cuda_applies(q, k, v):
         return fused_cuda_partial_attention(q, k, v)
     return reference_partial_attention(q, k, v, mask)
+
+
+def _fused_cuda_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`fused_cuda_partial_attention` takes these tensors (CUDA, one dtype, the op present)."""
+    return q.device.type == "cuda" and _FUSED_CUDA is not None and q.dtype == k.dtype == v.dtype
 
 
 def lower_right_partial_attention(q: torch.Tensor, k: torch.Tensor,
@@ -318,7 +323,7 @@ def lower_right_partial_attention(q: torch.Tensor, k: torch.Tensor,
     n_queries, n_keys = q.shape[2], k.shape[2]
     past = n_keys - n_queries
     block_k, block_v = k[:, :, past:], v[:, :, past:]  # (B, Hkv, T, D): the queries' own keys
-    if q.device.type == "cuda" and _FUSED_CUDA is not None and q.dtype == k.dtype == v.dtype:
+    if _fused_cuda_applies(q, block_k, block_v):
         block = fused_cuda_partial_attention(q, block_k, block_v, causal=True)
     else:
         block = partial_attention(q, block_k, block_v, causal_mask(n_queries, n_queries, 0, q.device))

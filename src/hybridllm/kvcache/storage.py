@@ -220,9 +220,13 @@ class TokenStore(ABC):
 
     def stored_bytes(self, start: int, end: int) -> int:
         """Bytes of the stored rows :meth:`read` of ``start .. end-1`` moves to another device."""
-        granule = max(field.tokens_per_row for field in self.buffer.fields.values())
-        first, last = start // granule * granule, -(-end // granule) * granule
+        first, last = self._whole_granules(start, end)
         return tensor_bytes(*(self.buffer.rows(name, first, last) for name in self.buffer.fields))
+
+    def _whole_granules(self, start: int, end: int) -> tuple[int, int]:
+        """``start .. end`` widened to whole granules of :attr:`token_granule` tokens (what is read together)."""
+        granule = self.token_granule
+        return start // granule * granule, -(-end // granule) * granule
 
     def truncate(self, length: int) -> None:
         """Forget tokens ``length ..`` (storage is kept for reuse)."""
@@ -349,9 +353,7 @@ class QuantizedKV(TokenStore):
                 "v_codes": v_codes, "v_scale": v_scale, "v_zero": v_zero}
 
     def _decode(self, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        granule = self.token_granule
-        first = start // granule * granule  # per-channel key groups are decoded whole
-        last = -(-end // granule) * granule
+        first, last = self._whole_granules(start, end)  # per-channel key groups are decoded whole
         rows = self._rows_on(first, last, device)  # codes, scales and zeros cross; decoded on ``device``
         dtype = self.spec.dtype
         if self.keys_per_token:
