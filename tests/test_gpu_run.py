@@ -151,7 +151,7 @@ def test_the_table_says_which_figure_is_missing_and_why(gpu_run, gpu_table, tmp_
     assert all(line["verdict"] == "no figure" for line in lines.values())
 
 
-@pytest.mark.slow  # 2.5-4.5 minutes on 2 cores: nine stages, each starting PyTorch (the bench more than once)
+@pytest.mark.slow  # 2.5-4.5 minutes on 2 cores: ten stages, each starting PyTorch (the bench more than once)
 def test_the_dry_run_runs_every_stage_end_to_end(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     proc = subprocess.run([sys.executable, str(TOOLS / "gpu_run.py"), "--dry-run", "--out", str(out),
@@ -161,7 +161,7 @@ def test_the_dry_run_runs_every_stage_end_to_end(tmp_path):
     statuses = {s["name"]: s["status"] for s in summary["stages"]}
     assert proc.returncode == 0, f"{statuses}\n{proc.stdout[-3000:]}"
     assert list(statuses) == ["setup", "cuda_tests", "bench_cuda_graph", "bench_eager", "bench_tiered", "profile",
-                              "server_streams", "long_context", "table"]
+                              "profile_tiered", "server_streams", "long_context", "table"]
     assert set(statuses.values()) == {"ok"}
     for stage in summary["stages"]:
         assert stage["wall_s"] is not None and all(stage["outputs"].values()), stage
@@ -179,6 +179,7 @@ def test_the_dry_run_runs_every_stage_end_to_end(tmp_path):
     streams = json.loads((out / "server_streams.json").read_text())
     assert streams["failed"] == 0 and streams["rounds"]["batched"][0]["concurrency"] == 16
     assert (out / "profile" / "trace_cuda-graph_dynamic.json").is_file()
+    assert (out / "profile" / "decode_192_tiered.json").is_file()
 
     table = json.loads((out / "table.json").read_text())
     verdicts = {line["line"]: line["verdict"] for line in table["lines"]}

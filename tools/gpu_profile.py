@@ -29,6 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hybridllm import LLM
+from hybridllm.bench.stacks import dump_stacks_on_signal
 from hybridllm.hardware import measure_gpu
 from hybridllm.loading.random_checkpoint import RandomCheckpoint
 from hybridllm.runtime.backends.cuda_graph import CudaGraphBackend
@@ -47,12 +48,19 @@ def bus_bytes(cache) -> int:
     return sum(cache.bus_bytes.values())
 
 
+def progress(began: float, what: str) -> None:
+    """A line in the log per phase (a stage that runs out of time shows how far it got)."""
+    print(f"[{time.perf_counter() - began:7.1f} s] {what}", flush=True)
+
+
 def run_backend(args: argparse.Namespace, backend: str, bandwidth_gbs: float | None, out: Path) -> dict:
     kv_options = {"kv_cache": args.kv_cache}
     if args.kv_offload_percent is not None:
         kv_options["kv_offload_percent"] = args.kv_offload_percent
+    began = time.perf_counter()
     llm = LLM(RandomCheckpoint(args.random_weights, args.dtype, seed=0), device=args.device, dtype=args.dtype,
               decode_backend=backend, **kv_options)
+    progress(began, f"{backend}/{args.kv_cache}: loaded")
     device = llm.engine_config.torch_device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     cache = llm.new_cache()
@@ -65,12 +73,14 @@ def run_backend(args: argparse.Namespace, backend: str, bandwidth_gbs: float | N
             logits = llm.runner(ids[:, start:start + args.prefill_chunk], cache, cache.seq_length)
         synchronize(device)
         prefill_s = time.perf_counter() - t0
+        progress(began, f"{backend}/{args.kv_cache}: prefilled {args.context} tokens")
         token = decode_steps(llm, cache, logits[:, -1].argmax(-1, keepdim=True), 3)  # warm-up (and capture)
         synchronize(device)
         bus_before, t0 = bus_bytes(cache), time.perf_counter()
         token = decode_steps(llm, cache, token, args.steps)
         synchronize(device)
         step_s = (time.perf_counter() - t0) / args.steps
+        progress(began, f"{backend}/{args.kv_cache}: {args.steps} decode steps")
         bus_per_token = (bus_bytes(cache) - bus_before) / args.steps
         with profile(activities=activities) as prof:
             decode_steps(llm, cache, token, args.profile_steps)
@@ -116,6 +126,7 @@ def main() -> None:
     parser.add_argument("--kv-offload-percent", type=float, help="tiered: percent of the KV kept on the host")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    dump_stacks_on_signal()  # gpu_run asks for the stacks of a stage that runs out of time
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = measure_gpu(0) if args.device.startswith("cuda") else None
     bandwidth = gpu.bandwidth_gbs if gpu is not None else None

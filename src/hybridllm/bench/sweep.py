@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hybridllm.bench import stacks
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.registry import get_strategy
 
@@ -38,6 +39,9 @@ HF_CACHES = ("dynamic", "offloaded", "quantized")
 LLAMA_CPP_CACHE = "f16"  # llama.cpp's default KV type
 LLAMA_CPP_CACHES = ("f16", "q8_0", "q4_0")  # the KV types llama.cpp offers (type_k / type_v)
 ROW_MARKER = "HYBRIDLLM_BENCH_ROW "
+PHASE_MARKER = "HYBRIDLLM_BENCH_PHASE "  # the worker's standard error: what it does now (loading, warm-up, run i of n)
+STDERR_TAIL_LINES = 60  # a timed-out row keeps this much of the worker's standard error (its stacks)
+WORKER_MODULE = "bench/worker.py"  # the measuring thread's stack passes through it
 DEFAULT_TIMEOUT_S = 1800.0
 _OOM_PATTERNS = ("MemoryError", "OutOfMemoryError", "out of memory", "can't allocate memory",
                  "Cannot allocate memory", "std::bad_alloc")
@@ -350,10 +354,15 @@ def run_config(config: BenchConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> dic
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        stacks.ask_for_stacks(proc)
+        try:
+            proc.communicate(timeout=stacks.STACK_WAIT_S)
+        except subprocess.TimeoutExpired:
+            pass
         _kill_group(proc)
-        proc.communicate()
-        row.update(status="timeout", error=f"no result within {timeout_s:g} s",
-                   wall_s=time.perf_counter() - start)
+        _, stderr = proc.communicate()  # everything the worker printed, the stacks included
+        row.update(status="timeout", error=f"no result within {timeout_s:g} s{_how_far(stderr)}",
+                   stderr_tail=stderr.splitlines()[-STDERR_TAIL_LINES:], wall_s=time.perf_counter() - start)
         return row
     except BaseException:  # Ctrl-C: the child has its own session and would not get the signal
         _kill_group(proc)
@@ -369,6 +378,17 @@ def run_config(config: BenchConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> dic
     status, message = classify_failure(proc.returncode, stderr)
     row.update(status=status, error=message)
     return row
+
+
+def _how_far(stderr: str) -> str:
+    """`` (in run 1 of 3, at kvcache/tiered.py:310 in _attention_on_device)`` from a timed-out
+    worker's standard error: its last phase and the innermost frame of our code it was in."""
+    phases = [line[len(PHASE_MARKER):] for line in stderr.splitlines() if line.startswith(PHASE_MARKER)]
+    found = [f"in {phases[-1]}"] if phases else []
+    frame = stacks.where(stderr, WORKER_MODULE)
+    if frame is not None:
+        found.append(f"at {frame}")
+    return f" ({', '.join(found)})" if found else ""
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

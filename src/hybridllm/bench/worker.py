@@ -3,7 +3,9 @@
     python -m hybridllm.bench.worker '<BenchConfig as JSON>'
 
 The row is printed on the original standard output as one line starting with ``ROW_MARKER``;
-anything the engines print goes to standard error. Failures the worker can name become rows
+anything the engines print goes to standard error, and so do the phases (``PHASE_MARKER`` lines:
+loading, warm-up, run i of n) and, when the sweep times the worker out, every thread's stack
+(:mod:`hybridllm.bench.stacks`): a timeout row says how far it got and where it was. Failures the worker can name become rows
 too: out of memory -> "oom", a missing peer package -> "skipped", anything else -> "error"
 with the exception's message. Only a crash prints no row; the sweep then classifies it.
 """
@@ -20,7 +22,8 @@ from typing import Any, Protocol
 import torch
 
 from hybridllm.bench.measure import PeerUnavailable, RunRecord, prompt_ids, summarize, synthetic_prompt_ids
-from hybridllm.bench.sweep import ROW_MARKER, BenchConfig, base_row
+from hybridllm.bench.stacks import dump_stacks_on_signal
+from hybridllm.bench.sweep import PHASE_MARKER, ROW_MARKER, BenchConfig, base_row
 from hybridllm.bench.workloads import workload_prompt_ids
 from hybridllm.config import KVConfig, ModelConfig, parse_dtype
 from hybridllm.hardware import memory_totals
@@ -151,6 +154,7 @@ def measure(config: BenchConfig) -> dict[str, Any]:
             return {"status": "oom", "error": f"predicted (not run): needs at least {format_bytes(needed)} of RAM "
                                               f"for weights and KV, {format_bytes(available)} available"}
     start = time.perf_counter()
+    _phase("loading")
     runner = make_runner(config)
     load_s = time.perf_counter() - start
     prompt = runner.prompt(config.context)
@@ -158,8 +162,12 @@ def measure(config: BenchConfig) -> dict[str, Any]:
         raise RuntimeError(f"built a prompt of {len(prompt)} tokens instead of {config.context}")
     # (a workload's context is its prompt's length, taken with the same tokenizer when the grid was built)
     if config.warmup:
+        _phase("warm-up")
         runner.run(prompt[:min(WARMUP_PROMPT_TOKENS, len(prompt))], WARMUP_NEW_TOKENS)
-    runs = [runner.run(prompt, config.new_tokens) for _ in range(config.repeat)]
+    runs = []
+    for index in range(config.repeat):
+        _phase(f"run {index + 1} of {config.repeat}")
+        runs.append(runner.run(prompt, config.new_tokens))
     return {"status": "ok", "error": None, "variant": runner.variant, "load_s": load_s, **summarize(runs),
             "weights_format": runs[0].get("weights_format"),
             "weight_bytes": runs[0].get("weight_bytes") or {"device": None, "host": None},
@@ -167,6 +175,11 @@ def measure(config: BenchConfig) -> dict[str, Any]:
             "kv_pages_moved": runs[0].get("kv_pages_moved"), "bus_bytes_detail": runs[0].get("bus_bytes_detail"),
             "kv_attention": runs[0].get("kv_attention"), "runs": runs,
             **{key: runs[0].get(key) for key in SPEC_FIGURES}}  # greedy: every run proposes the same
+
+
+def _phase(name: str) -> None:
+    """Tell the sweep (on standard error) what the worker does now."""
+    print(PHASE_MARKER + name, file=sys.stderr, flush=True)
 
 
 def classify_exception(exc: BaseException) -> tuple[str, str]:
@@ -200,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hybridllm.bench.worker '<BenchConfig JSON>'", file=sys.stderr)
         return 2
+    dump_stacks_on_signal()
     row_out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # engines' own prints must not mix with the row
