@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hybridllm.config import KVConfig, SamplingParams
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.attention import (
+    batched_products_decode_attention,
     causal_attention,
     causal_mask,
     length_masked_decode_attention,
@@ -105,6 +106,16 @@ def test_split_static_decode_equals_the_masked_sdpa(chunk_tokens):
                                length_masked_decode_attention(q[:, :, :1], k, v, lengths), atol=2e-6, rtol=1e-5)
 
 
+def test_the_two_products_form_equals_the_masked_sdpa_over_a_span_of_the_buffer():
+    q, k, v = _qkv(256)
+    buffer_k, buffer_v = torch.zeros(2, k.shape[1], 320, k.shape[3]), torch.zeros(2, v.shape[1], 320, v.shape[3])
+    buffer_k[:, :, :256], buffer_v[:, :, :256] = k, v
+    span_k, span_v = buffer_k[:, :, :256], buffer_v[:, :, :256]  # a strided view, as the graph step reads the pool
+    lengths = torch.tensor([1, 200])
+    torch.testing.assert_close(batched_products_decode_attention(q[:, :, :1], span_k, span_v, lengths),
+                               length_masked_decode_attention(q[:, :, :1], k, v, lengths), atol=2e-6, rtol=1e-5)
+
+
 def test_buckets_and_spans():
     assert BATCH_BUCKETS == (1, 2, 4, 8, 16, 32, 64)
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 33, 64, 65)] == [1, 2, 4, 4, 8, 64, 64, None]
@@ -179,7 +190,8 @@ def test_static_step_alone_gives_the_eager_tokens(tiny_models):
     assert backend.steps_by_bucket == {1: 9}  # every decode step ran the static step, bucket 1
 
 
-@pytest.mark.parametrize("arch, attention", [("llama3", "sdpa"), ("qwen3", "sdpa"), ("llama3", "split")])
+@pytest.mark.parametrize("arch, attention", [("llama3", "sdpa"), ("qwen3", "sdpa"), ("llama3", "split"),
+                                            ("llama3", "gemm")])
 def test_a_batch_of_three_padded_to_four_gives_each_rows_eager_tokens(tiny_models, arch, attention):
     model = _model(tiny_models, arch)
     prompts = _prompts(model.config.vocab_size)
@@ -236,7 +248,7 @@ CUDA = torch.device("cuda")
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("attention", [None, "sdpa", "split"])  # None: the faster form, chosen by timing
+@pytest.mark.parametrize("attention", [None, "sdpa", "split", "gemm"])  # None: the fastest form, chosen by timing
 @pytest.mark.parametrize("n_rows, bucket", [(1, 1), (3, 4)])
 def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, attention):
     model = _model(tiny_models, device=CUDA, dtype=torch.float32)
@@ -244,10 +256,27 @@ def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, 
     bystander = prompts[0][:3] if n_rows > 1 else None  # in the fourth row of bucket 4: must stay untouched
     tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA, bystander=bystander, attention=attention)
     assert backend.captures and backend.captured_keys  # the steps were replayed from captured graphs
-    assert all(set(timings) <= {"sdpa", "split"} for timings in backend.attention_choice.values())
+    assert all(set(timings) <= {"sdpa", "split", "gemm"} for timings in backend.attention_choice.values())
     assert {key[0] for key in backend.captured_keys} == {bucket}
     assert tokens == [_eager_greedy(model, p, steps=12, device=CUDA) for p in prompts]
     assert backend.steps_by_bucket == {bucket: 11}
+
+
+@pytest.mark.cuda
+def test_the_two_products_form_copies_no_keys_on_cuda():
+    """The point of the form: a span shorter than the pool's capacity is read in place (the split
+    form's chunked view is copied each step: the second H100 run's strided copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pool_k = torch.randn(4, 8, 8192, 64, device=CUDA, dtype=torch.bfloat16)
+    pool_v = torch.randn_like(pool_k)
+    q = torch.randn(1, 32, 1, 64, device=CUDA, dtype=torch.bfloat16)
+    lengths = torch.tensor([3000], device=CUDA)
+    batched_products_decode_attention(q, pool_k[:1, :, :4096], pool_v[:1, :, :4096], lengths)  # cuBLAS set up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        batched_products_decode_attention(q, pool_k[:1, :, :4096], pool_v[:1, :, :4096], lengths)
+    names = {event.key for event in prof.key_averages()}
+    assert not names & {"aten::clone", "aten::contiguous"}, sorted(names)
 
 
 @pytest.mark.cuda

@@ -32,10 +32,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (each its own cache)")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "float16"))
     args = parser.parse_args()
     profiled = build.build_library(("-DHL_PROFILE",))
     native.load_decode_library = lambda: profiled  # build_native_steps builds its steps on this library
-    llm = LLM(args.model, weights="auto", threads=args.threads, decode_backend="native")
+    llm = LLM(args.model, weights="auto", threads=args.threads, decode_backend="native", kv_dtype=args.kv_dtype)
     model = llm.runner
     if not model.report.build.whole_step:
         raise SystemExit(f"the model has no whole native decode step ({model.report.build.skipped})")

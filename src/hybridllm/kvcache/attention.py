@@ -253,6 +253,35 @@ def length_masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out.reshape(batch, n_heads, 1, head_dim)
 
 
+def batched_products_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`length_masked_decode_attention` as two batched matrix products over the (row, KV
+    head) pairs, for a graph: the G grouped queries x the keys, then the weights x the values,
+    the length mask and the softmax in float32 between them.
+
+    Both products take K and V where they lie: a span shorter than the buffer is a strided view
+    whose (row, KV head) batch dimensions still merge into one, so no copy of K or V is made on
+    CUDA (the split form's chunked view does not merge and is copied each step: the second H100
+    run's strided copies). No host sync, no branch on data; the products run in the buffer's
+    dtype, as the split form's.
+
+    Args:
+        q: (B, H, 1, D); k, v: (B, Hkv, S, D) (a view of the buffer); lengths: (B,) int64 in 1..S.
+    Returns:
+        (B, H, 1, D) in q's dtype.
+    """
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    q_grouped = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim)  # (B, Hkv, G, D)
+    scores = torch.matmul(q_grouped, k.transpose(-1, -2)).float() / math.sqrt(head_dim)  # (B, Hkv, G, S)
+    key_index = torch.arange(n_keys, device=lengths.device)  # (S,)
+    visible = (key_index[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    scores = torch.where(visible, scores, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # every row sees its first key: a finite max
+    out = torch.matmul(weights.to(v.dtype), v).float() / weights.sum(dim=-1, keepdim=True)  # (B, Hkv, G, D)
+    return out.reshape(batch, n_heads, 1, head_dim).to(q.dtype)
+
+
 def split_kv_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                               chunk_tokens: int) -> torch.Tensor:
     """:func:`length_masked_decode_attention` split along the keys (flash-decoding, for a graph).

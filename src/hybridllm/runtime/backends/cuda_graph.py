@@ -18,9 +18,10 @@ the host or branches on data, so on CUDA it is captured once per (batch bucket, 
 - The pool grows (rows, capacity) by reallocation; graphs over the old buffers are dropped and
   captured again on next use (``generation``).
 - Decode attention by measurement: each (bucket, span) is captured with every applicable form of
-  the static attention (:data:`DECODE_ATTENTION`: one SDPA call with a length mask, or the keys
-  split in chunks, flash-decoding style), each graph is replayed a few times, and the faster one
-  is kept (``attention_choice`` records the timings). On the CPU the first form applies.
+  the static attention (:data:`DECODE_ATTENTION`: one SDPA call with a length mask, the keys
+  split in chunks, flash-decoding style, or two batched products that read K and V in place), each
+  graph is replayed a few times, and the fastest is kept (``attention_choice`` records the
+  timings). On the CPU the first form applies.
 
 Placement: every layer, the embedding and the head on the device, dense KV (``dynamic``),
 decoding on the device (:meth:`CudaGraphBackend.check_placement`). The runtime asks the backend
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from hybridllm.errors import ConfigError
-from hybridllm.kvcache.attention import layer_attention, length_masked_decode_attention, split_kv_decode_attention
+from hybridllm.kvcache.attention import (batched_products_decode_attention, layer_attention,
+                                         length_masked_decode_attention, split_kv_decode_attention)
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.static import StaticKVPool, StaticSlotCache
 from hybridllm.placement.placement import Placement
@@ -51,7 +53,7 @@ DENSE_STRATEGIES = ("dynamic",)
 # rows of the input block the static step reads, each (max bucket,) int64
 IDS, POSITIONS, COLUMNS, LENGTHS = range(4)
 # the forms of the static step's attention, tried in this order (the first one serves the CPU)
-DECODE_ATTENTION = ("sdpa", "split")
+DECODE_ATTENTION = ("sdpa", "split", "gemm")
 SPLIT_CHUNKS = (256, 128, 64)  # keys per chunk of the split form: the first that divides the span
 TIMED_REPLAYS = 3
 
@@ -74,10 +76,12 @@ def split_chunk(span: int) -> int | None:
 
 def static_decode_attention(variant: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             lengths: torch.Tensor) -> torch.Tensor:
-    """The static step's attention in form ``variant`` ("sdpa" or "split"): q (B, H, 1, D) over
-    keys/values (B, Hkv, span, D) with ``lengths`` (B,) visible keys per row -> (B, H, 1, D)."""
+    """The static step's attention in form ``variant`` ("sdpa", "split" or "gemm"): q (B, H, 1, D)
+    over keys/values (B, Hkv, span, D) with ``lengths`` (B,) visible keys per row -> (B, H, 1, D)."""
     if variant == "split":
         return split_kv_decode_attention(q, keys, values, lengths, split_chunk(keys.shape[2]))
+    if variant == "gemm":
+        return batched_products_decode_attention(q, keys, values, lengths)
     return length_masked_decode_attention(q, keys, values, lengths)
 
 
