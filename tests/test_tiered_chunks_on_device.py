@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridllm.kvcache import KVSpec, tiered
+from hybridllm.kvcache import KVSpec, device_site, host
 from hybridllm.kvcache.attention import (
     causal_attention,
     fused_cuda_partial_attention,
@@ -24,7 +24,9 @@ from hybridllm.kvcache.attention import (
     reference_partial_attention,
 )
 from hybridllm.kvcache.dynamic import DynamicCache
-from hybridllm.kvcache.tiered import COLD_ON_DEVICE_QUERY_ROWS, TieredCache
+from hybridllm.kvcache.host import HostCache
+from hybridllm.kvcache.device_site import QUERY_ROWS_ON_DEVICE, attends_on_device
+from hybridllm.kvcache.tiered import TieredCache
 
 CPU = torch.device("cpu")
 N_LAYERS, N_HEADS, N_KV_HEADS, HEAD_DIM = 2, 8, 2, 32
@@ -49,7 +51,7 @@ def _chunks(cache, generator: torch.Generator, sizes: list[int]) -> list[torch.T
 
 @pytest.mark.parametrize("cold_bits", [16, 8, 4])
 def test_chunks_attend_cold_pages_on_the_device_as_on_the_host(monkeypatch, cold_bits):
-    monkeypatch.setattr(tiered, "COLD_SLICE_TOKENS", 32)  # several slices (whole key groups of 16)
+    monkeypatch.setattr(device_site, "SLICE_TOKENS", 32)  # several slices (whole key groups of 16)
     sizes = [96, 40, 1, 33, 7, 1]
     caches = {site: TieredCache(_spec(), page_size=16, hot_window=32, sink_tokens=4, cold_bits=cold_bits,
                                 group_size=16, cold_attention=site) for site in ("host", "device")}
@@ -65,7 +67,7 @@ def test_chunks_attend_cold_pages_on_the_device_as_on_the_host(monkeypatch, cold
 
 
 def test_the_bus_counts_each_slices_stored_bytes(monkeypatch):
-    monkeypatch.setattr(tiered, "COLD_SLICE_TOKENS", 64)
+    monkeypatch.setattr(device_site, "SLICE_TOKENS", 64)
     cache = TieredCache(_spec(), page_size=16, hot_window=32, cold_bits=4, group_size=16, cold_attention="device")
     _chunks(cache, torch.Generator().manual_seed(1), [200])
     cold = cache._cold[0]
@@ -83,13 +85,33 @@ def test_the_rule_sends_many_query_rows_to_the_device_and_decode_to_the_host():
     groups = N_HEADS // N_KV_HEADS
 
     def rows(n_queries: int, device: torch.device) -> bool:
-        return cache._attends_cold_on_device(torch.empty(1, N_HEADS, n_queries, HEAD_DIM, device=device))
+        return attends_on_device(torch.empty(1, N_HEADS, n_queries, HEAD_DIM, device=device), N_KV_HEADS, CPU)
 
-    many = -(-COLD_ON_DEVICE_QUERY_ROWS // groups)
+    many = -(-QUERY_ROWS_ON_DEVICE // groups)
     assert rows(many, torch.device("meta")) and not rows(many - 1, torch.device("meta")) and not rows(1, spec.device)
     assert not rows(many, CPU)  # the host computes: nothing to move
+    assert attends_on_device(torch.empty(1, N_HEADS, 1, HEAD_DIM), N_KV_HEADS, CPU, site="device")
     with pytest.raises(ValueError, match="cold_attention"):
         TieredCache(spec, cold_attention="gpu")
+
+
+def test_the_host_cache_attends_a_chunk_on_the_device_as_on_the_host(monkeypatch):
+    """The ``host`` strategy's prefill chunks (all of its KV in host RAM) take the same site rule:
+    forced here (the CPU is both sites), the chunk's own keys as they came, then the stored
+    tokens slice by slice; the dense cache's attention either way, every slice's bytes counted."""
+    monkeypatch.setattr(device_site, "SLICE_TOKENS", 32)
+    sizes = [96, 40, 1, 33, 7, 1]
+    on_host = _chunks(HostCache(_spec(), page_size=16), torch.Generator().manual_seed(5), sizes)
+    monkeypatch.setattr(host, "attends_on_device", lambda q, n_kv_heads, host_device: q.shape[2] > 1)
+    cache = HostCache(_spec(), page_size=16)
+    on_device = _chunks(cache, torch.Generator().manual_seed(5), sizes)
+    dense = _chunks(DynamicCache(_spec()), torch.Generator().manual_seed(5), sizes)
+    for expected, a, b in zip(dense, on_host, on_device):
+        torch.testing.assert_close(a, expected, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(b, expected, atol=2e-5, rtol=1e-4)
+    before = cache.bus_bytes["h2d"]
+    _chunks(cache, torch.Generator().manual_seed(6), [20])  # a chunk over 178 stored tokens, in 6 slices
+    assert cache.bus_bytes["h2d"] - before == N_LAYERS * cache._stores[0].stored_bytes(0, 178)
 
 
 @pytest.mark.parametrize("past", [0, 1, 37])

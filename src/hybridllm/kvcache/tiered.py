@@ -11,10 +11,9 @@ kernels are queued first and run while the host computes), then the host's parti
 log-sum-exp cross to the device and the two are merged exactly
 (:func:`~hybridllm.kvcache.attention.merge_partials`). For many query rows (a prefill chunk) the
 host's work grows with the queries while the pages' bytes do not: the cold pages cross to the
-device in slices of :data:`COLD_SLICE_TOKENS` (quantized pages as codes, decoded there) and the
-device attends to each, one running partial merged slice by slice
-(:data:`COLD_ON_DEVICE_QUERY_ROWS` decides; the first H100 run timed out at 32K tokens with
-every chunk's cold attention on the host).
+device in slices (quantized pages as codes, decoded there) and the device attends to each, one
+running partial merged slice by slice (:mod:`hybridllm.kvcache.device_site` decides and moves
+them; the first H100 run timed out at 32K tokens with every chunk's cold attention on the host).
 
 Pages move hot -> cold when the window slides past them (or, with ``offload_percent``, when
 the host's share of the tokens falls below that percentage) and when the device ledger would
@@ -30,9 +29,10 @@ import torch
 from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.attention import (causal_attention, causal_mask, lower_right_partial_attention, merge_partials,
-                                         merge_partials_with_lse, partial_attention)
+                                         partial_attention)
 from hybridllm.kvcache.base import (RUN_FIELDS, InPlaceRows, KVCache, KVFormat, KVSpec, MemoryLedger, dense_format,
                                     tensor_bytes)
+from hybridllm.kvcache.device_site import SITES, attends_on_device, merge_store_on_device
 from hybridllm.kvcache.paging import (
     PageTable,
     fraction_cold_pages,
@@ -45,13 +45,6 @@ from hybridllm.kvcache.storage import DenseKV, QuantizedKV, TokenStore
 from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes
 
 
-# Query rows (queries x query heads per KV head) from which the cold pages cross to the device
-# instead of the queries to the host. Per cold key the host does ~4 D flops per query row; the bus
-# moves 4 Hkv D bytes (bfloat16 K and V; less when quantized). With a host of ~1 TFLOP/s and a bus
-# of ~25 GB/s the two cost the same at ~40 rows: decode (1 query, 4-8 rows) stays on the host.
-COLD_ON_DEVICE_QUERY_ROWS = 64
-COLD_SLICE_TOKENS = 16384  # cold tokens per slice on the device (whole pages and key groups)
-COLD_ATTENTION_SITES = ("auto", "host", "device")
 
 
 class TieredCache(KVCache):
@@ -68,7 +61,7 @@ class TieredCache(KVCache):
         offload_percent: if set, keep this percentage of the cached tokens on the host instead
             of a window.
         cold_attention: where the cold pages are attended: "auto" (by query rows, see
-            :data:`COLD_ON_DEVICE_QUERY_ROWS`), "host" or "device" (the cold pages cross the bus).
+            :data:`~hybridllm.kvcache.device_site.QUERY_ROWS_ON_DEVICE`), "host" or "device" (the cold pages cross the bus).
     """
 
     name = "tiered"
@@ -88,8 +81,8 @@ class TieredCache(KVCache):
         super().__init__(spec, ledger)
         if cold_bits not in (16, 8, 4):
             raise ValueError(f"cold_bits must be 16, 8 or 4, got {cold_bits}")
-        if cold_attention not in COLD_ATTENTION_SITES:
-            raise ValueError(f"cold_attention must be one of {', '.join(COLD_ATTENTION_SITES)}, got {cold_attention}")
+        if cold_attention not in SITES:
+            raise ValueError(f"cold_attention must be one of {', '.join(SITES)}, got {cold_attention}")
         self.cold_attention = cold_attention
         self.page_size, self.hot_window, self.sink_tokens = page_size, hot_window, sink_tokens
         self.cold_bits, self.offload_percent = cold_bits, offload_percent
@@ -274,7 +267,7 @@ class TieredCache(KVCache):
         hot_k, hot_v = hot.read()  # (B, Hkv, n_hot, D): sinks, older hot tokens, then the queries' own
         if cold.length == 0:
             return causal_attention(q, hot_k, hot_v, query_start=n_hot - n_queries)
-        if self._attends_cold_on_device(q):
+        if attends_on_device(q, self.spec.n_kv_heads, self.spec.host_device, self.cold_attention):
             return self._attention_on_device(q, hot_k, hot_v, cold)
         q_host, q_ready = transfer.to_host_async(q, self.spec.host_device)  # queued before the hot kernels
         mask = causal_mask(n_queries, n_hot, n_hot - n_queries, q.device) if n_queries > 1 else None
@@ -290,26 +283,13 @@ class TieredCache(KVCache):
         cold_part = (cold_out.to(q.device, non_blocking=True), cold_lse.to(q.device, non_blocking=True))
         return merge_partials([hot_part, cold_part]).to(q.dtype)
 
-    def _attends_cold_on_device(self, q: torch.Tensor) -> bool:
-        """Whether the cold pages cross to the device for these queries (B, H, T, D)."""
-        if self.cold_attention != "auto":
-            return self.cold_attention == "device"
-        query_rows = q.shape[2] * (q.shape[1] // self.spec.n_kv_heads)
-        return q.device != self.spec.host_device and query_rows >= COLD_ON_DEVICE_QUERY_ROWS
-
     def _attention_on_device(self, q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor,
                              cold: TokenStore) -> torch.Tensor:
         """Attention of q (B, H, T, D) on its device: the hot tokens (the queries' own last,
         lower-right causal), then the cold pages slice by slice, each slice's stored bytes moved
         and decoded there and merged into one running partial. Returns (B, H, T, D) in q's dtype."""
         merged = lower_right_partial_attention(q, hot_k, hot_v)  # out (B, H, T, D), lse (B, H, T)
-        granule = cold.token_granule
-        step = max(granule, COLD_SLICE_TOKENS // granule * granule)
-        for start in range(0, cold.length, step):
-            end = min(cold.length, start + step)
-            keys, values = cold.read(start, end, device=q.device)  # (B, Hkv, end-start, D); before every query
-            self._count_bus("h2d", cold.stored_bytes(start, end))
-            merged = merge_partials_with_lse([merged, partial_attention(q, keys, values)])
+        merged = merge_store_on_device(merged, q, cold, cold.length, lambda n: self._count_bus("h2d", n))
         return merged[0].to(q.dtype)
 
     def _attends_cold_in_place(self, cold: TokenStore, n_heads: int) -> bool:
