@@ -420,6 +420,27 @@ struct BlockKV {
   int count;
 };
 
+// Asks for a dense run's keys or values (float32 or float16 rows) ahead of their reading, into the
+// first-level cache (`into_l1`) or the second; quantized runs are left to the
+// hardware. A decode block reads its keys, then its values, then the next block's keys: each stream
+// is a few pages the hardware prefetcher only starts on when they are first touched, and the compute
+// between them leaves the bus idle (measured on the decode attention at 8K: ~11% of its time).
+// Changes no value.
+// Not inlined and not analysed across calls (noipa): GCC 12 takes a function that only prefetches
+// for one without effects and drops its inlined loop or its calls altogether.
+__attribute__((noipa)) inline void prefetch_run(const KVRun& run, bool keys, int64_t d, bool into_l1) {
+  if (run.seg == nullptr || (run.seg->format != KV_F32 && run.seg->format != KV_F16)) return;
+  const int64_t size = run.seg->format == KV_F32 ? 4 : 2;
+  const char* first = static_cast<const char*>(keys ? run.seg->k : run.seg->v) +
+                      (run.head * run.seg->capacity + run.row) * d * size;
+  for (int64_t offset = 0; offset < run.n * d * size; offset += 64) {
+    if (into_l1)
+      __builtin_prefetch(first + offset, 0, 3);
+    else
+      __builtin_prefetch(first + offset, 0, 2);
+  }
+}
+
 // Every store's part of [lo, hi), read in place.
 inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi) {
   BlockKV kv{};
@@ -486,6 +507,7 @@ void attend_rows(const float* q, const BlockKV& kv, int64_t d, const ScoreOption
                  BlockScratch& scratch) {
   float* scores = scratch.scores.data();
   int64_t n = 0;
+  for (int r = 0; r < kv.count; ++r) prefetch_run(kv.runs[r], false, d, true);  // the values, read after the scores
   for (int r = 0; r < kv.count; ++r) {
     read_run(kv.runs[r], true, d, scratch.scales, [&](const auto& keys) {
       block_scores<G>(q, keys, kv.runs[r].n, d, options.scale, scores + n, KEY_BLOCK);
