@@ -426,9 +426,14 @@ struct BlockKV {
 // is a few pages the hardware prefetcher only starts on when they are first touched, and the compute
 // between them leaves the bus idle (measured on the decode attention at 8K: ~11% of its time).
 // Changes no value.
-// Not inlined and not analysed across calls (noipa): GCC 12 takes a function that only prefetches
-// for one without effects and drops its inlined loop or its calls altogether.
-__attribute__((noipa)) inline void prefetch_run(const KVRun& run, bool keys, int64_t d, bool into_l1) {
+// Not inlined and not analysed across calls (GCC's noipa): GCC 12 takes a function that only
+// prefetches for one without effects and drops its inlined loop or its calls altogether.
+#if defined(__clang__)
+#define HL_KEEP_PREFETCHES __attribute__((noinline))
+#else
+#define HL_KEEP_PREFETCHES __attribute__((noipa))
+#endif
+HL_KEEP_PREFETCHES inline void prefetch_run(const KVRun& run, bool keys, int64_t d, bool into_l1) {
   if (run.seg == nullptr || (run.seg->format != KV_F32 && run.seg->format != KV_F16)) return;
   const int64_t size = run.seg->format == KV_F32 ? 4 : 2;
   const char* first = static_cast<const char*>(keys ? run.seg->k : run.seg->v) +
