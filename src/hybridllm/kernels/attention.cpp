@@ -40,20 +40,22 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
     const int64_t items_per_head = (rb.count() + BLOCKS_PER_ITEM - 1) / BLOCKS_PER_ITEM;
     const int64_t local = item - parts.item_offsets[r];
     const int64_t head = local / items_per_head, chunk = local % items_per_head;
-    const int64_t end = std::min(rb.count(), (chunk + 1) * BLOCKS_PER_ITEM);
-    for (int64_t i = chunk * BLOCKS_PER_ITEM; i < end; ++i) {
+    // Block b's keys and values (every store's part, in place); the next one's are built once,
+    // for its keys' prefetch while this one is attended, and carried over.
+    const auto block_of = [&](int64_t b) {
+      return block_kv(cache, head, rb.block_lo(b), RowBlocks::block_hi(b, cache.start));
+    };
+    BlockKV kv = block_of(rb.first + chunk * BLOCKS_PER_ITEM);
+    for (int64_t i = chunk * BLOCKS_PER_ITEM; i < std::min(rb.count(), (chunk + 1) * BLOCKS_PER_ITEM); ++i) {
       const int64_t b = rb.first + i;
       const int64_t slot = parts.row_blocks[r] + head * rb.count() + i;  // (row, head, block)
       const Partial result{parts.max.data() + slot * stride, parts.sum.data() + slot * stride,
                            parts.out.data() + slot * stride * d};
-      const int64_t lo = rb.block_lo(b), hi = RowBlocks::block_hi(b, cache.start);
-      if (b + 1 <= rb.last) {  // the next block's keys, while this block is attended
-        const BlockKV next = block_kv(cache, head, rb.block_lo(b + 1), RowBlocks::block_hi(b + 1, cache.start));
-        for (int n = 0; n < next.count; ++n) prefetch_run(next.runs[n], true, d, false);
-      }
+      const BlockKV next = b < rb.last ? block_of(b + 1) : BlockKV{};
+      for (int n = 0; n < next.count; ++n) prefetch_run(next.runs[n], true, d, false);
       scratch.reserve(group, d);
-      attend_queries(group, q + r * q_stride + head * group * d, block_kv(cache, head, lo, hi), d, options, result,
-                     scratch);
+      attend_queries(group, q + r * q_stride + head * group * d, kv, d, options, result, scratch);
+      kv = next;
     }
   }
   team.barrier();

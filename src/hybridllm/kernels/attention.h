@@ -421,13 +421,12 @@ struct BlockKV {
 };
 
 // Asks for a dense run's keys or values (float32 or float16 rows) ahead of their reading, into the
-// first-level cache (`into_l1`) or the second; quantized runs are left to the
-// hardware. A decode block reads its keys, then its values, then the next block's keys: each stream
-// is a few pages the hardware prefetcher only starts on when they are first touched, and the compute
-// between them leaves the bus idle (measured on the decode attention at 8K: ~11% of its time).
-// Changes no value.
-// Not inlined and not analysed across calls (GCC's noipa): GCC 12 takes a function that only
-// prefetches for one without effects and drops its inlined loop or its calls altogether.
+// first-level cache (`into_l1`) or the second; quantized runs are left to the hardware. A decode
+// block reads its keys, then its values, then the next block's keys: each stream is a few pages the
+// hardware prefetcher only starts on when they are first touched, and the compute between them
+// leaves the bus idle (the decode attention at 8K: ~11% of its time). Changes no value. Not inlined
+// and not analysed across calls (GCC's noipa): GCC 12 takes a function that only prefetches for one
+// without effects and drops its inlined loop or its calls altogether.
 #if defined(__clang__)
 #define HL_KEEP_PREFETCHES __attribute__((noinline))
 #else
@@ -445,6 +444,7 @@ HL_KEEP_PREFETCHES inline void prefetch_run(const KVRun& run, bool keys, int64_t
       __builtin_prefetch(first + offset, 0, 2);
   }
 }
+#undef HL_KEEP_PREFETCHES
 
 // Every store's part of [lo, hi), read in place.
 inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi) {

@@ -231,6 +231,13 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return merge_partials(parts), lse
 
 
+def visible_keys(lengths: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """(B, 1, 1, S) bool: key s is visible to row b when s < lengths[b] (built on the lengths'
+    device from the tensor itself: no host sync, so a CUDA graph can capture it)."""
+    key_index = torch.arange(n_keys, device=lengths.device)  # (S,)
+    return (key_index[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+
+
 def length_masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                    lengths: torch.Tensor) -> torch.Tensor:
     """One query per row over a static buffer whose rows hold ``lengths`` valid keys each.
@@ -247,9 +254,7 @@ def length_masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     batch, n_heads, _, head_dim = q.shape
     n_kv_heads, n_keys = k.shape[1], k.shape[2]
     q_grouped = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim)  # (B, Hkv, G, D)
-    key_index = torch.arange(n_keys, device=lengths.device)  # (S,)
-    visible = (key_index[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
-    out = sdpa(q_grouped, k, v, attn_mask=visible)  # (B, Hkv, G, D)
+    out = sdpa(q_grouped, k, v, attn_mask=visible_keys(lengths, n_keys))  # (B, Hkv, G, D)
     return out.reshape(batch, n_heads, 1, head_dim)
 
 
@@ -274,9 +279,7 @@ def batched_products_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch
     n_kv_heads, n_keys = k.shape[1], k.shape[2]
     q_grouped = q.reshape(batch, n_kv_heads, n_heads // n_kv_heads, head_dim)  # (B, Hkv, G, D)
     scores = torch.matmul(q_grouped, k.transpose(-1, -2)).float() / math.sqrt(head_dim)  # (B, Hkv, G, S)
-    key_index = torch.arange(n_keys, device=lengths.device)  # (S,)
-    visible = (key_index[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
-    scores = torch.where(visible, scores, float("-inf"))
+    scores = torch.where(visible_keys(lengths, n_keys), scores, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # every row sees its first key: a finite max
     out = torch.matmul(weights.to(v.dtype), v).float() / weights.sum(dim=-1, keepdim=True)  # (B, Hkv, G, D)
     return out.reshape(batch, n_heads, 1, head_dim).to(q.dtype)

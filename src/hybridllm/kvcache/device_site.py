@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from hybridllm.kvcache.attention import merge_partials_with_lse, partial_attention
+from hybridllm.kvcache.attention import lower_right_partial_attention, merge_partials_with_lse, partial_attention
 from hybridllm.kvcache.storage import TokenStore
 
 # Query rows (queries x query heads per KV head) from which the stored rows cross to the device
@@ -24,8 +24,6 @@ from hybridllm.kvcache.storage import TokenStore
 QUERY_ROWS_ON_DEVICE = 64
 SLICE_TOKENS = 16384  # stored tokens per slice on the device (whole pages and key groups)
 SITES = ("auto", "host", "device")
-
-Partial = tuple[torch.Tensor, torch.Tensor]  # out (B, H, T, D) and lse (B, H, T), float32
 
 
 def attends_on_device(q: torch.Tensor, n_kv_heads: int, host_device: torch.device, site: str = "auto") -> bool:
@@ -37,11 +35,14 @@ def attends_on_device(q: torch.Tensor, n_kv_heads: int, host_device: torch.devic
     return q.device != host_device and query_rows >= QUERY_ROWS_ON_DEVICE
 
 
-def merge_store_on_device(merged: Partial, q: torch.Tensor, store: TokenStore, end: int,
-                          count_h2d: Callable[[int], None]) -> Partial:
-    """``merged`` merged with q's attention over tokens 0 .. end-1 of ``store`` (every one of them
-    visible to every query), read onto q's device slice by slice (``count_h2d`` gets each
-    slice's stored bytes)."""
+def attend_on_device(q: torch.Tensor, recent_k: torch.Tensor, recent_v: torch.Tensor, store: TokenStore, end: int,
+                     count_h2d: Callable[[int], None]) -> torch.Tensor:
+    """Attention of q (B, H, T, D) on its device over its most recent keys ``recent_k/v`` (B, Hkv,
+    S >= T, D) already there (the queries' own last: lower-right causal), then over tokens
+    0 .. end-1 of ``store`` (before every query), read onto q's device slice by slice and merged
+    into one running partial (``count_h2d`` gets each slice's stored bytes). Returns (B, H, T, D)
+    in q's dtype."""
+    merged = lower_right_partial_attention(q, recent_k, recent_v)  # out (B, H, T, D), lse (B, H, T)
     granule = store.token_granule
     step = max(granule, SLICE_TOKENS // granule * granule)
     for start in range(0, end, step):
@@ -49,4 +50,4 @@ def merge_store_on_device(merged: Partial, q: torch.Tensor, store: TokenStore, e
         keys, values = store.read(start, stop, device=q.device)  # (B, Hkv, stop-start, D)
         count_h2d(store.stored_bytes(start, stop))
         merged = merge_partials_with_lse([merged, partial_attention(q, keys, values)])
-    return merged
+    return merged[0].to(q.dtype)

@@ -13,10 +13,10 @@ import torch
 
 from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
-from hybridllm.kvcache.attention import causal_attention, lower_right_partial_attention
+from hybridllm.kvcache.attention import causal_attention
 from hybridllm.kvcache.base import KVSpec, MemoryLedger, tensor_bytes
 from hybridllm.kvcache.dense_in_place import DenseInPlaceCache
-from hybridllm.kvcache.device_site import attends_on_device, merge_store_on_device
+from hybridllm.kvcache.device_site import attend_on_device, attends_on_device
 from hybridllm.kvcache.storage import DenseKV
 from hybridllm.kvcache.strategy import KVCost, KVStrategy, dense_token_bytes
 
@@ -88,24 +88,14 @@ class HostCache(HostResidentCache):
         self._count_bus("d2h", store.append(k_new, v_new))
         options = self.spec.layer_options(layer_idx)
         if options.plain and attends_on_device(q, self.spec.n_kv_heads, self.spec.host_device):
-            return self._attention_on_device(q, k_new, v_new, store, past)
+            return attend_on_device(q, k_new, v_new, store, past, lambda n: self._count_bus("h2d", n))
         q_host = q.to(self.spec.host_device)
         self._count_bus("d2h", tensor_bytes(q))
         keys, values = store.read()  # (B, Hkv, past+T, D)
-        options = self.spec.layer_options(layer_idx)
         out = causal_attention(q_host, keys, values, query_start=past, scale=options.scale, softcap=options.softcap,
                                window=options.window)
         self._count_bus("h2d", tensor_bytes(out))
         return out.to(q.device)
-
-    def _attention_on_device(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, store: DenseKV,
-                             past: int) -> torch.Tensor:
-        """A chunk's queries q (B, H, T, D) on their device: over the chunk's own keys as they
-        came (causal), then over the ``past`` stored tokens before them, read onto the device
-        slice by slice. Returns (B, H, T, D) in q's dtype."""
-        merged = lower_right_partial_attention(q, k_new, v_new)  # out (B, H, T, D), lse (B, H, T)
-        merged = merge_store_on_device(merged, q, store, past, lambda n: self._count_bus("h2d", n))
-        return merged[0].to(q.dtype)
 
 
 def _host_cost(config: KVConfig, spec: KVSpec, n_tokens: int, query_bytes: float) -> KVCost:

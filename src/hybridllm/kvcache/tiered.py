@@ -28,11 +28,10 @@ import torch
 
 from hybridllm.config import KVConfig
 from hybridllm.kvcache import transfer
-from hybridllm.kvcache.attention import (causal_attention, causal_mask, lower_right_partial_attention, merge_partials,
-                                         partial_attention)
+from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
 from hybridllm.kvcache.base import (RUN_FIELDS, InPlaceRows, KVCache, KVFormat, KVSpec, MemoryLedger, dense_format,
                                     tensor_bytes)
-from hybridllm.kvcache.device_site import SITES, attends_on_device, merge_store_on_device
+from hybridllm.kvcache.device_site import SITES, attend_on_device, attends_on_device
 from hybridllm.kvcache.paging import (
     PageTable,
     fraction_cold_pages,
@@ -268,7 +267,8 @@ class TieredCache(KVCache):
         if cold.length == 0:
             return causal_attention(q, hot_k, hot_v, query_start=n_hot - n_queries)
         if attends_on_device(q, self.spec.n_kv_heads, self.spec.host_device, self.cold_attention):
-            return self._attention_on_device(q, hot_k, hot_v, cold)
+            # the hot tokens (the queries' own last) on the device, then the cold pages slice by slice
+            return attend_on_device(q, hot_k, hot_v, cold, cold.length, lambda n: self._count_bus("h2d", n))
         q_host, q_ready = transfer.to_host_async(q, self.spec.host_device)  # queued before the hot kernels
         mask = causal_mask(n_queries, n_hot, n_hot - n_queries, q.device) if n_queries > 1 else None
         hot_part = partial_attention(q, hot_k, hot_v, mask)  # async on CUDA
@@ -282,15 +282,6 @@ class TieredCache(KVCache):
         self._count_bus("h2d", tensor_bytes(cold_out, cold_lse))
         cold_part = (cold_out.to(q.device, non_blocking=True), cold_lse.to(q.device, non_blocking=True))
         return merge_partials([hot_part, cold_part]).to(q.dtype)
-
-    def _attention_on_device(self, q: torch.Tensor, hot_k: torch.Tensor, hot_v: torch.Tensor,
-                             cold: TokenStore) -> torch.Tensor:
-        """Attention of q (B, H, T, D) on its device: the hot tokens (the queries' own last,
-        lower-right causal), then the cold pages slice by slice, each slice's stored bytes moved
-        and decoded there and merged into one running partial. Returns (B, H, T, D) in q's dtype."""
-        merged = lower_right_partial_attention(q, hot_k, hot_v)  # out (B, H, T, D), lse (B, H, T)
-        merged = merge_store_on_device(merged, q, cold, cold.length, lambda n: self._count_bus("h2d", n))
-        return merged[0].to(q.dtype)
 
     def _attends_cold_in_place(self, cold: TokenStore, n_heads: int) -> bool:
         """Whether the spec's host attention reads this layer's cold pages in place (dense rows
