@@ -521,7 +521,7 @@ def test_default_model_int4_resident_memory_near_file_bytes():
         Int8GroupedLinear.from_float(torch.randn(64, 64))(torch.randn(2, 64))
         with torch.device("meta"):
             LlamaForCausalLM(checkpoint.config)
-        release_load_scratch(checkpoint)
+        release_load_scratch()
         before = rss()
         model = load_model(checkpoint, torch.float32, lambda name: torch.device("cpu"), weights="int4")
         after = rss()

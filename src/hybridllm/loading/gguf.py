@@ -26,6 +26,7 @@ import torch
 from hybridllm.config import ARCHITECTURES, SUPPORTED_ARCH_TEXT, ModelConfig, RopeScaling
 from hybridllm.errors import ModelLoadError, UnsupportedModelError
 from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, unpermute_rows
+from hybridllm.loading.gguf_array import LAZY_MIN_ELEMENTS, GGUFArray
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -189,9 +190,14 @@ class _Cursor:
             return self.string()
         if type_id == _ARRAY:
             elem_type, count = self.scalar("<I"), self.scalar("<Q")
+            lazy = count >= LAZY_MIN_ELEMENTS  # a vocabulary and its like: kept encoded (gguf_array.py)
             if elem_type in _NUMPY_SCALARS:
                 dtype = np.dtype(_NUMPY_SCALARS[elem_type]).newbyteorder("<")
-                return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+                data = self.take(count * dtype.itemsize)
+                return GGUFArray(bytes(data), count, dtype, self.path) if lazy else np.frombuffer(data, dtype).tolist()
+            if elem_type == _STRING and lazy:
+                array, self.pos = GGUFArray.strings_at(self.buf, self.pos, count, self.path)
+                return array
             if elem_type == _STRING:
                 return self.strings(count)
             return [self.value(elem_type) for _ in range(count)]
@@ -218,6 +224,7 @@ class GGUFFile:
             self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.file_size = len(self._mmap)
         self.metadata, self.tensors = self._parse_header(memoryview(self._mmap))
+        self._release_pages(0, min((t.offset for t in self.tensors.values()), default=self.file_size))  # parsed
         self.config = None if header_only else self._build_config()
 
     def close(self) -> None:
@@ -364,8 +371,29 @@ class GGUFFile:
         return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor's bytes copied into RAM (this is where the disk is read)."""
-        return self.raw(name).copy()
+        """The tensor's bytes copied into RAM (this is where the disk is read).
+
+        Read with ``pread``, not through the memory map: a load then holds each tensor's bytes
+        once (this copy, freed when its weights are built), where pages faulted in through the
+        map would stay resident in this process until unmapped (the file's size on top of the
+        model's, at the load's peak)."""
+        info = self.tensors[name]
+        data = np.empty(info.nbytes, dtype=np.uint8)
+        view, done = memoryview(data), 0
+        with open(self.path, "rb", buffering=0) as fh:
+            while done < info.nbytes:
+                got = os.preadv(fh.fileno(), [view[done:]], info.offset + done)
+                if got == 0:
+                    raise ModelLoadError(f"{self.path}: truncated inside tensor {name}")
+                done += got
+        return data
+
+    def _release_pages(self, start: int, end: int) -> None:
+        """``MADV_DONTNEED`` over the pages holding bytes ``start .. end-1`` of the map."""
+        start -= start % mmap.PAGESIZE
+        end = min(end, self.file_size)
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def dequantize(self, name: str, data: np.ndarray | None = None) -> torch.Tensor:
         """Float tensor (row-major ``info.shape``) of a tensor, from ``data`` (see :meth:`read`) or the map.

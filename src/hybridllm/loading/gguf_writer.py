@@ -17,6 +17,7 @@ from hybridllm.config import ModelConfig
 from hybridllm.errors import ConfigError
 from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, permute_rows
 from hybridllm.loading.gguf import LONGROPE_LONG, LONGROPE_SHORT, QUERY_PRE_ATTN_SCALAR, ROPE_FREQS
+from hybridllm.loading.gguf_array import GGUFArray
 from hybridllm.models.layers import rope_inverse_frequencies
 
 # Hugging Face parameter suffix -> GGUF tensor suffix (inverse of gguf.py's tables)
@@ -194,7 +195,7 @@ def _add_metadata(writer, key: str, value: object) -> None:
         writer.add_float32(key, value)
     elif isinstance(value, str):
         writer.add_string(key, value)
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple, GGUFArray)):
         writer.add_array(key, list(value))
     else:
         raise ConfigError(f"cannot write metadata {key} of type {type(value).__name__}")

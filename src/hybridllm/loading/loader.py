@@ -3,8 +3,10 @@
 Each tensor goes through three timed phases: ``read`` (disk -> host RAM), ``dequantize``
 (file format -> compute dtype) and ``to_device`` (host RAM -> the device ``device_for`` names
 for that parameter). The checkpoint's separate q/k/v and gate/up projections are stacked into
-the model's ``qkv_proj`` / ``gate_up_proj`` (``hybridllm.loading.skeleton.assemble``). A progress
-bar shows on a terminal for files above 64 MiB.
+the model's ``qkv_proj`` / ``gate_up_proj`` as soon as a layer's last part is read
+(``hybridllm.loading.skeleton.ProjectionAssembler``), so the load's peak is the model plus
+about one layer.
+A progress bar shows on a terminal for files above 64 MiB.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from hybridllm.loading.quantized_loader import HostLayout, load_quantized_model
-from hybridllm.loading.skeleton import HEAD, assemble, load_tensors, prepare_skeleton, progress
+from hybridllm.loading.skeleton import HEAD, ProjectionAssembler, load_tensors, prepare_skeleton, progress
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.timing import ColdStart, synchronize
 
@@ -56,6 +58,7 @@ def load_model(
     skeleton = prepare_skeleton(checkpoint, show_progress)
 
     state: dict[str, torch.Tensor] = {}
+    assembler = ProjectionAssembler(skeleton.model, skeleton.expected, fuse)
     with progress(skeleton.show_progress, skeleton.total, checkpoint.path.name) as advance:
         for file_name, param_name in skeleton.names.items():
             if param_name not in skeleton.expected:
@@ -75,9 +78,10 @@ def load_model(
             nbytes = checkpoint.nbytes(file_name)
             cold_start.bytes_read += nbytes
             state[param_name] = tensor
+            assembler.loaded(param_name, state, {})
             advance(nbytes)
     model = skeleton.model
-    assemble(model, state, {}, fuse)
+    assembler.finish(state, {})
     if config.tie_word_embeddings:
         state[HEAD] = state[EMBEDDING]
     load_tensors(model, state)

@@ -20,8 +20,9 @@ time, so no float copy of a quantized matrix is ever made:
 
 Q/K rows of ``llama``-architecture GGUF files are un-permuted on the raw row blocks (rows are
 independent, so the permutation commutes with block quantization). The separate q/k/v and
-gate/up modules are then stacked (``hybridllm.loading.skeleton.assemble``): into one matrix where
-their types agree, else kept side by side in a ``ConcatLinear``.
+gate/up modules of a layer are stacked as soon as the last of them is read
+(``hybridllm.loading.skeleton.ProjectionAssembler``): into one matrix where their types agree,
+else kept side by side in a ``ConcatLinear``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import nn
 
 from hybridllm.formats.gguf_blocks import INT4_TYPES, dequantize_rows, unpack_int4, unpack_q8_0
 from hybridllm.formats.gguf_qk_permutation import PERMUTED_ARCHITECTURES, unpermute_rows
-from hybridllm.loading.skeleton import HEAD, assemble, load_tensors, prepare_skeleton, progress
+from hybridllm.loading.skeleton import HEAD, ProjectionAssembler, load_tensors, prepare_skeleton, progress
 from hybridllm.models.llama import LlamaForCausalLM
 from hybridllm.models.quantized import (
     Int4Linear,
@@ -160,6 +161,7 @@ def load_quantized_model(
     types = {param_name: file_type(checkpoint, file_name) for file_name, param_name in skeleton.names.items()
              if param_name in skeleton.expected}
     formats = plan_formats(weights, types, [stacked.parts for stacked in skeleton.model.stacked_projections()])
+    assembler = ProjectionAssembler(skeleton.model, skeleton.expected, fuse)
     with progress(skeleton.show_progress, skeleton.total, checkpoint.path.name) as advance:
         for file_name, param_name in skeleton.names.items():
             if param_name not in skeleton.expected:
@@ -194,13 +196,14 @@ def load_quantized_model(
             cold_start.to_device_s += t3 - t2
             nbytes = checkpoint.nbytes(file_name)
             cold_start.bytes_read += nbytes
+            assembler.loaded(param_name, state, modules)
             advance(nbytes)
     for (what, type_name), count in sorted(fallbacks.items()):
         logger.warning("weights: %d %s tensor(s) without %s run as %s", count, type_name, what,
                        str(dtype).removeprefix("torch."))
 
     model = skeleton.model
-    assemble(model, state, modules, fuse)
+    assembler.finish(state, modules)
     embed = model.model.embed_tokens
     packed_table = isinstance(embed, (Int8Embedding, PackedEmbedding))
     if config.tie_word_embeddings:
@@ -211,22 +214,18 @@ def load_quantized_model(
     load_tensors(model, state)
     if config.tie_word_embeddings and not packed_table:
         model.lm_head.weight = model.model.embed_tokens.weight
-    release_load_scratch(checkpoint)
+    release_load_scratch()
     return model
 
 
-def release_load_scratch(checkpoint=None) -> None:
-    """Give the conversion's scratch memory back to the OS (best effort).
-
-    Packed weights and per-tensor scratch interleave on the C heap, so glibc keeps ~the model's
-    size again in free pages after a load: ``malloc_trim`` returns them. The file's pages that
-    the load touched are page cache; ``MADV_DONTNEED`` unmaps them from this process (a later
-    read faults them back in), so the resident size is the weights themselves.
-    """
+def release_load_scratch() -> None:
+    """Give the conversion's freed scratch memory back to the OS (best effort): the per-tensor
+    copies and packing buffers interleave with the packed weights on the C heap, and glibc keeps
+    freed pages between live blocks until ``malloc_trim`` returns them. (The file's pages are
+    released tensor by tensor: ``Checkpoint.release``.)"""
     import ctypes
     import ctypes.util
     import gc
-    import mmap
 
     gc.collect()
     try:
@@ -234,12 +233,6 @@ def release_load_scratch(checkpoint=None) -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc
-    mapped = getattr(checkpoint, "_mmap", None)
-    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-        try:
-            mapped.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):
-            pass
 
 
 def _raw_rows(checkpoint, file_name: str, raw) -> torch.Tensor | None:

@@ -3,9 +3,10 @@ assembly of loaded weights into the model (stacked projections built from their 
 
 Checkpoints name weights as Hugging Face does (``self_attn.q_proj.weight`` ...); the model
 stacks q/k/v and gate/up (:meth:`~hybridllm.models.llama.LlamaForCausalLM.stacked_projections`).
-A loader reads every tensor under its checkpoint name, then :func:`assemble` builds each
-stacked projection from its parts (:func:`hybridllm.models.fuse.stack_projections`) and loads
-the rest by name.
+A loader reads every tensor under its checkpoint name and hands it to a
+:class:`ProjectionAssembler`, which builds each stacked projection from its parts
+(:func:`hybridllm.models.fuse.stack_projections`) as soon as the last one is read; the rest
+load by name.
 """
 
 from __future__ import annotations
@@ -63,30 +64,73 @@ def prepare_skeleton(checkpoint, show_progress: bool | None) -> Skeleton:
     return Skeleton(model, expected, names, show_progress, total)
 
 
-def assemble(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], modules: dict[str, nn.Module],
-             fuse: bool) -> None:
-    """Put loaded weights into ``model``'s stacked projections and quantized modules, in place.
+class ProjectionAssembler:
+    """Builds each stacked projection of ``model`` as soon as the loader has read all its parts.
+
+    A load reads tensors in the file's order (layer by layer), so stacking a layer's q/k/v or
+    gate/up when its last part arrives holds at most that projection's parts twice (the parts
+    and their stacked copy), where stacking them all at the end held every layer's parts beside
+    the stacked copies (the model's projections twice at the load's peak, and as many freed
+    bytes left scattered on the C heap afterwards).
 
     Args:
         model: the skeleton.
-        tensors: float tensors by checkpoint name; the ones used here are removed (the rest are
-            for :func:`load_tensors`).
-        modules: modules built by the loader (quantized weights) by checkpoint module name
-            ("model.layers.0.self_attn.q_proj"); they get their biases from ``tensors``. The
-            dict is emptied (parts of a stacked matrix are freed as soon as it is built).
+        expected: the checkpoint names the loader reads (``Skeleton.expected``): a stacked
+            projection is built once every one of its parts' names in it has been read.
         fuse: stack parts into one matrix where they can be (else they stay separate inside a
             :class:`~hybridllm.models.fuse.ConcatLinear`).
     """
-    for name, module in modules.items():
-        bias = tensors.pop(f"{name}.bias", None)
-        if bias is not None:
-            module.bias = nn.Parameter(bias, requires_grad=False)
-    for stacked in model.stacked_projections():
-        parts = [modules.pop(part) if part in modules else _float_linear(tensors, part) for part in stacked.parts]
-        model.set_submodule(stacked.name, stack_projections(parts, fuse))
-    while modules:
-        name, module = modules.popitem()
-        model.set_submodule(name, module)
+
+    def __init__(self, model: LlamaForCausalLM, expected: set[str], fuse: bool) -> None:
+        self.model, self.fuse = model, fuse
+        self._unbuilt = {stacked.name: stacked for stacked in model.stacked_projections()}
+        self._unread: dict[str, set[str]] = {}  # stacked name -> its parts' checkpoint names not read yet
+        self._stacked_of: dict[str, str] = {}  # a part's checkpoint name -> the stacked projection's name
+        for stacked in self._unbuilt.values():
+            names = {f"{part}.{leaf}" for part in stacked.parts for leaf in ("weight", "bias")} & expected
+            self._unread[stacked.name] = names
+            self._stacked_of.update(dict.fromkeys(names, stacked.name))
+
+    def loaded(self, name: str, tensors: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> None:
+        """The loader has put checkpoint tensor ``name`` into ``tensors`` (float, by checkpoint
+        name) or its module into ``modules`` (by module name): build its stacked projection if
+        that was the last part (the parts are removed from both dicts)."""
+        stacked_name = self._stacked_of.pop(name, None)
+        if stacked_name is None:
+            return
+        unread = self._unread[stacked_name]
+        unread.discard(name)
+        if not unread:
+            self._build(stacked_name, tensors, modules)
+
+    def finish(self, tensors: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> None:
+        """Every stacked projection not built yet, then the other modules into the model with
+        their biases from ``tensors``. ``modules`` is emptied; the float tensors used are
+        removed from ``tensors`` (the rest are for :func:`load_tensors`)."""
+        for stacked_name in list(self._unbuilt):
+            self._build(stacked_name, tensors, modules)
+        while modules:
+            name, module = modules.popitem()
+            _attach_bias(module, tensors.pop(f"{name}.bias", None))
+            self.model.set_submodule(name, module)
+
+    def _build(self, stacked_name: str, tensors: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> None:
+        stacked = self._unbuilt.pop(stacked_name)
+        del self._unread[stacked_name]
+        parts = []
+        for part in stacked.parts:
+            if part in modules:
+                module = modules.pop(part)
+                _attach_bias(module, tensors.pop(f"{part}.bias", None))
+                parts.append(module)
+            else:
+                parts.append(_float_linear(tensors, part))
+        self.model.set_submodule(stacked.name, stack_projections(parts, self.fuse))
+
+
+def _attach_bias(module: nn.Module, bias: torch.Tensor | None) -> None:
+    if bias is not None:
+        module.bias = nn.Parameter(bias, requires_grad=False)
 
 
 def load_tensors(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> LlamaForCausalLM:

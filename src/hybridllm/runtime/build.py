@@ -33,6 +33,7 @@ from hybridllm.config import EngineConfig, KVConfig, SpeculativeConfig
 from hybridllm.errors import ConfigError
 from hybridllm.kvcache.factory import check_attention_options
 from hybridllm.loading.loader import load_model
+from hybridllm.loading.quantized_loader import release_load_scratch
 from hybridllm.kernels.abi import kernels
 from hybridllm.kernels.build import KernelBuildError
 from hybridllm.kernels.host_attention import HostPartialAttention
@@ -139,6 +140,7 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     cold_start.compile_s = runner.report.seconds
     t0 = time.perf_counter()
     tokenizer = checkpoint.tokenizer()
+    release_load_scratch()  # the vocabulary's decoded lists and the tokenizer's build scratch
     cold_start.tokenizer_s = time.perf_counter() - t0
 
     def build_host_runner() -> tuple[ModelRunner, dict[str, int]]:
