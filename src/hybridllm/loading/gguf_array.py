@@ -86,18 +86,24 @@ class GGUFArray(Sequence):
     def _decode(self) -> list[Any]:
         if self._dtype is not None:
             return np.frombuffer(self._data, self._dtype, count=self._count).tolist()
-        data, pos, out = memoryview(self._data), 0, []
-        for _ in range(self._count):
-            (length,) = _LENGTH.unpack_from(data, pos)
-            out.append(self._string(pos + 8, length))
-            pos += 8 + length
+        data, pos, out, length_at = memoryview(self._data), 0, [], _LENGTH.unpack_from
+        try:
+            for _ in range(self._count):  # one tight loop: a vocabulary is 50K-260K strings
+                (length,) = length_at(data, pos)
+                out.append(str(data[pos + 8:pos + 8 + length], "utf-8"))
+                pos += 8 + length
+        except UnicodeDecodeError as exc:
+            raise self._malformed(exc) from None
         return out
 
     def _string(self, at: int, length: int) -> str:
         try:
             return str(memoryview(self._data)[at:at + length], "utf-8")
         except UnicodeDecodeError as exc:
-            raise ModelLoadError(f"{self._path}: malformed GGUF string in a metadata array: {exc}") from None
+            raise self._malformed(exc) from None
+
+    def _malformed(self, exc: UnicodeDecodeError) -> ModelLoadError:
+        return ModelLoadError(f"{self._path}: malformed GGUF string in a metadata array: {exc}")
 
     def _string_starts(self) -> np.ndarray:
         if self._starts is None:
