@@ -91,7 +91,7 @@ def _mapped_kib(address: int) -> int:
 
 
 def test_reading_every_tensor_leaves_no_file_page_mapped(default_model_path):
-    """``read`` copies with pread and the parsed header is unmapped: a load does not hold the
+    """``read`` copies from the file, not the map, and the parsed header is unmapped: a load does not hold the
     file's pages on top of the weights it builds (the file's size at the load's peak)."""
     checkpoint = open_checkpoint(default_model_path)
     first = next(iter(checkpoint.tensors.values()))

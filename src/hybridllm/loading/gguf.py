@@ -373,17 +373,18 @@ class GGUFFile:
     def read(self, name: str) -> np.ndarray:
         """The tensor's bytes copied into RAM (this is where the disk is read).
 
-        Read with ``pread``, not through the memory map: a load then holds each tensor's bytes
-        once (this copy, freed when its weights are built), where pages faulted in through the
-        map would stay resident in this process until unmapped (the file's size on top of the
-        model's, at the load's peak)."""
+        Read from the file straight into the copy, not through the memory map: a load then
+        holds each tensor's bytes once (this copy, freed when its weights are built), where
+        pages faulted in through the map would stay resident in this process until unmapped
+        (the file's size on top of the model's, at the load's peak)."""
         info = self.tensors[name]
         data = np.empty(info.nbytes, dtype=np.uint8)
         view, done = memoryview(data), 0
         with open(self.path, "rb", buffering=0) as fh:
+            fh.seek(info.offset)
             while done < info.nbytes:
-                got = os.preadv(fh.fileno(), [view[done:]], info.offset + done)
-                if got == 0:
+                got = fh.readinto(view[done:])
+                if not got:
                     raise ModelLoadError(f"{self.path}: truncated inside tensor {name}")
                 done += got
         return data
