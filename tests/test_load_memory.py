@@ -102,7 +102,7 @@ def test_reading_every_tensor_leaves_no_file_page_mapped(default_model_path):
         assert data.nbytes == checkpoint.tensors[name].nbytes
         total += data.nbytes
     assert total > 50 * 2**20
-    assert _mapped_kib(mapping) <= 64  # a page or two of fault-around at most
+    assert _mapped_kib(mapping) <= 64  # none (a little slack for a fault-around elsewhere)
     np.testing.assert_array_equal(checkpoint.read(first.name), checkpoint.raw(first.name))
     assert _mapped_kib(mapping) > 0  # the check sees the map: reading it through the view faults pages in
 

@@ -224,7 +224,7 @@ class GGUFFile:
             self._mmap = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.file_size = len(self._mmap)
         self.metadata, self.tensors = self._parse_header(memoryview(self._mmap))
-        self._release_pages(0, min((t.offset for t in self.tensors.values()), default=self.file_size))  # parsed
+        self._unmap_pages()  # the header is parsed; tensors are read from the file (`read`)
         self.config = None if header_only else self._build_config()
 
     def close(self) -> None:
@@ -389,12 +389,12 @@ class GGUFFile:
                 done += got
         return data
 
-    def _release_pages(self, start: int, end: int) -> None:
-        """``MADV_DONTNEED`` over the pages holding bytes ``start .. end-1`` of the map."""
-        start -= start % mmap.PAGESIZE
-        end = min(end, self.file_size)
-        if end > start and hasattr(mmap, "MADV_DONTNEED"):
-            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+    def _unmap_pages(self) -> None:
+        """``MADV_DONTNEED`` over the whole map: the pages stay in the page cache, and a later
+        view (``raw``) faults them back in. The whole map, not just the header's bytes: a fault
+        may map the page cache's whole folio (or the pages around it), past the header."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
 
     def dequantize(self, name: str, data: np.ndarray | None = None) -> torch.Tensor:
         """Float tensor (row-major ``info.shape``) of a tensor, from ``data`` (see :meth:`read`) or the map.
