@@ -26,6 +26,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -51,14 +52,32 @@ BOUND_S = 240
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def node_ports() -> list[str]:
-    """Every port a node binds, chosen free (two nodes share the machine, and so may other Ray
+def distinct_free_ports(n: int) -> list[int]:
+    """``n`` free ports, all different: each socket stays bound until all are chosen (ports chosen
+    one at a time may repeat, and Ray refuses a node whose components share one)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+NODE_PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+                   "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+
+
+def node_ports(ports: list[int]) -> list[str]:
+    """Every port a node binds, given (two nodes share the machine, and so may other Ray
     clusters: none of Ray's fixed defaults is used)."""
-    ports = []
-    for flag in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-                 "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"):
-        ports += [flag, str(free_port())]
-    return ports
+    return [item for flag, port in zip(NODE_PORT_FLAGS, ports, strict=True) for item in (flag, str(port))]
+
+
+def running(proc: subprocess.Popen, log: Path) -> bool:
+    """True while ``proc`` runs; an AssertionError with its log's tail once it has exited (no
+    waiting out the bound for a node that died at start)."""
+    if proc.poll() is None:
+        return True
+    raise AssertionError(f"exited with {proc.returncode}: {log.read_text()[-1500:]}")
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -90,11 +109,11 @@ def cluster(tmp_path_factory):
                                                        os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # "0" would refuse the worker node
     logs = tmp_path_factory.mktemp("ray-nodes")
-    gcs = free_port()
+    gcs, dashboard, client, *head_ports = distinct_free_ports(3 + len(NODE_PORT_FLAGS))
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--node-ip-address", HEAD_IP, "--port", str(gcs), "--num-cpus", "1",
-         "--include-dashboard", "false", "--dashboard-port", str(free_port()), "--ray-client-server-port",
-         str(free_port()), "--disable-usage-stats", "--temp-dir", str(tmp), *node_ports()],
+         "--include-dashboard", "false", "--dashboard-port", str(dashboard), "--ray-client-server-port",
+         str(client), "--disable-usage-stats", "--temp-dir", str(tmp), *node_ports(head_ports)],
         env=env, stdout=open(logs / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     worker = None
     try:
@@ -105,15 +124,16 @@ def cluster(tmp_path_factory):
                                  timeout=60).stdout
             return sum(line.strip().startswith("1 node_") for line in out.split("Pending:")[0].splitlines())
 
-        wait_for(lambda: head.poll() is None and nodes() == 1, "the head node up")
+        wait_for(lambda: running(head, logs / "head.log") and nodes() == 1, "the head node up")
         # Ray Serve's proxies bind their port with SO_REUSEPORT: on one machine the worker's proxy
         # would share the head's port (and its connections), so it gets its own
-        worker_env = {**env, "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(free_port())}
+        proxy, *worker_ports = distinct_free_ports(1 + len(NODE_PORT_FLAGS))
+        worker_env = {**env, "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy)}
         worker = subprocess.Popen(
             [RAY, "start", "--block", "--address", address, "--node-ip-address", WORKER_IP, "--num-cpus", "1",
-             "--disable-usage-stats", *node_ports()],
+             "--disable-usage-stats", *node_ports(worker_ports)],
             env=worker_env, stdout=open(logs / "worker.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for(lambda: worker.poll() is None and nodes() == 2, "the worker node joined")
+        wait_for(lambda: running(worker, logs / "worker.log") and nodes() == 2, "the worker node joined")
         yield address, env, head, worker
     finally:
         try:
