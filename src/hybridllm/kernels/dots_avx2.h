@@ -70,13 +70,18 @@ inline void unpack_quads(const uint8_t* codes, int half, __m256i q[8]) {
       const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
       for (int i = 0; i < 8; ++i) q[i] = _mm256_shuffle_epi8(lut, q[i]);
     }
+    // Quad i's bit of plane p is bit i of each plane byte, moved to bit 4 + p: a 16-bit shift by
+    // 4 + p - i moves both bytes' bit alike (nothing crosses into the kept bit), then one mask.
     for (int p = 0; p < planes; ++p) {
       const __m256i plane = load(codes + p * PLANE_BYTES + 32 * half);
       const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << p));
+#pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
-        const __m256i flag = _mm256_set1_epi8(static_cast<char>(1 << i));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(plane, flag), flag);
-        q[i] = _mm256_or_si256(q[i], _mm256_and_si256(set, bit));
+        const int shift = 4 + p - i;
+        const __m256i moved = shift > 0   ? _mm256_slli_epi16(plane, shift)
+                              : shift < 0 ? _mm256_srli_epi16(plane, -shift)
+                                          : plane;
+        q[i] = _mm256_or_si256(q[i], _mm256_and_si256(moved, bit));
       }
     }
   }
@@ -207,7 +212,7 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, in
       const uint8_t* tile = tiles + s * TILE_BYTES;
       for (int64_t gi = 0; gi < GROUPS; ++gi) {
         const uint8_t* codes = group_codes(T, tile, gi);
-        for (int64_t line = 0; line < T.group_bytes; line += 64) __builtin_prefetch(codes + 4 * 320 + line);
+        for (int64_t line = 0; line < T.group_bytes; line += 64) __builtin_prefetch(codes + PRODUCT_PREFETCH_BYTES + line);
         const int64_t g = s * GROUPS + gi;
         __m256i q[8];
         unpack_quads<F>(codes, half, q);
