@@ -247,33 +247,27 @@ def _numpy_struct(struct: type[ctypes.Structure]) -> np.dtype:
 _CACHE_FIELDS = _numpy_struct(HLLayerCache)
 
 
-def _columns(values: list, n_layers: int) -> np.ndarray:
-    """Each claim's per-layer list (or one value for every layer) -> (n_layers, claims) int64."""
-    if all(isinstance(v, int) for v in values):
-        return np.broadcast_to(np.asarray(values, dtype=np.int64)[None, :], (n_layers, len(values)))
-    return np.stack([np.broadcast_to(np.asarray(v, dtype=np.int64), (n_layers,)) for v in values], axis=1)
-
-
 def claim_rows(caches: list[KVCache], layer_indices: list[int], lengths: list[int]) -> ctypes.Array:
     """Claim ``lengths[i]`` rows of every layer given in ``caches[i]`` (this step's tokens of each
     sequence), described as an (n_layers, len(caches)) layer-major array of HLLayerCache."""
     n_layers = len(layer_indices)
     claims = [cache.in_place_rows(layer_indices, n) for cache, n in zip(caches, lengths)]
-    slots = (HLLayerCache * (n_layers * len(caches)))()
+    slots = (HLLayerCache * (n_layers * len(caches)))()  # zeroed: runs past a claim's own stay empty
     view = np.frombuffer(slots, dtype=_CACHE_FIELDS).reshape(n_layers, len(caches))  # (layers, caches)
-    n_runs = max(len(claim.runs) for claim in claims)
-    for j in range(n_runs):
-        segment = view["segments"][:, :, j]
-        for name in RUN_FIELDS:
-            values = [claim.runs[j].get(name, 0) if j < len(claim.runs) else 0 for claim in claims]
-            segment[name] = _columns(values, n_layers).astype(segment.dtype[name], copy=False)
-    view["n_segments"] = np.array([len(claim.runs) for claim in claims], dtype=np.int32)[None, :]
-    view["write"] = _columns([claim.write for claim in claims], n_layers).astype(np.int32)
-    view["start"] = np.array([claim.start for claim in claims], dtype=np.int64)[None, :]
-    view["write_row"] = _columns([claim.write_row for claim in claims], n_layers)
-    view["window"] = _columns([claim.window for claim in claims], n_layers).astype(np.int32)
-    view["settle"] = _columns([claim.settle for claim in claims], n_layers).astype(np.int32)
-    view["settle_row"] = _columns([claim.settle_row for claim in claims], n_layers)
+    for c, claim in enumerate(claims):
+        column = view[:, c]  # (layers,): a view; each value is one for every layer or one per layer
+        segments = column["segments"]  # (layers, segments)
+        for j, run in enumerate(claim.runs):
+            segment = segments[:, j]
+            for name in RUN_FIELDS:
+                segment[name] = run.get(name, 0)
+        column["n_segments"] = len(claim.runs)
+        column["write"] = claim.write
+        column["start"] = claim.start
+        column["write_row"] = claim.write_row
+        column["window"] = claim.window
+        column["settle"] = claim.settle
+        column["settle_row"] = claim.settle_row
     return slots
 
 
