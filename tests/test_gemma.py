@@ -1,7 +1,7 @@
 """What Gemma 2 and Gemma 3 add, and that each piece matters: the sliding window and soft-capping
 change the logits (transformers agrees with ours, full / uncapped attention does not), their GGUF
-keys and tensor names (llama.cpp's), the strategies and backends that refuse them in one line, and
-llama.cpp reading our Gemma GGUF. Plain parity (logits, greedy ids) is in test_parity.py."""
+keys and tensor names (llama.cpp's), every KV strategy applying them (and the backend that refuses
+them in one line), and llama.cpp reading our Gemma GGUF. Plain parity (logits, greedy ids) is in test_parity.py."""
 
 from __future__ import annotations
 
@@ -128,17 +128,75 @@ def test_gguf_uses_llama_cpp_keys_and_names(tiny_models):
     assert gemma3.config.sliding_layers == (True,) * 5 + (False,)
 
 
-@pytest.mark.parametrize("strategy", ["quantized", "offloaded", "tiered"])
-def test_strategies_without_windows_refuse_in_one_line(tiny_models, strategy):
+# Every strategy, its tokens split as the knobs say (packed + residual, cold pages + hot window + sinks)
+# so that the tiny Gemmas' window of 8 falls across its stores.
+STRATEGY_KNOBS = {
+    "offloaded": {"kv_cache": "offloaded"},
+    "tiered": {"kv_cache": "tiered", "kv_page_size": 4, "kv_hot_window": 8, "kv_sink_tokens": 2},
+    "quantized": {"kv_cache": "quantized", "kv_bits": 8, "kv_group_size": 8, "kv_residual": 4},
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGY_KNOBS))
+@pytest.mark.parametrize("arch", GEMMAS)
+def test_every_strategy_attends_as_the_gemmas_do(tiny_models, arch, strategy):
+    """Windows, scale and soft-caps applied by every strategy, through PyTorch and the native steps:
+    the lossless ones keep transformers' greedy ids; int8 groups stay within their rounding of the
+    dynamic cache's logits, far closer than the same cache attending without the options."""
+    folder, _, hf_model = tiny_models[arch]
+    prompt = list(range(5, 5 + 3 * GEMMA_WINDOW))
+    knobs = STRATEGY_KNOBS[strategy]
+    if strategy != "quantized":
+        expected = hf_greedy_ids(hf_model, prompt, 12)
+        for backend in ("eager", "native"):
+            llm = LLM(model=folder, prefill_chunk=5, decode_backend=backend, **knobs)
+            out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            assert out.token_ids == expected, backend
+        return
+    model = _load(folder)
+    attention = layer_attention(model.config)
+    ids = torch.tensor([prompt])
+    c = model.config
+    spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=128, attention=attention)
+    config = KVConfig(**{k: v for k, v in knobs.items()})
+    exact = _logits(model, ids, attention)
+    plain = _logits(model, ids, _without(_without(_without(attention, window=None), softcap=None), scale=None))
+    with torch.inference_mode():
+        ours = {}
+        for backend in ("eager", "native"):
+            runner = build_runner(model, Placement.all_on_device(c.n_layers), TierDevices(CPU), backend)
+            cache = create_cache(config, spec)
+            for start in range(0, ids.shape[1], 5):  # prefill chunks: the packed tokens grow between them
+                logits = runner(ids[:, start:start + 5], cache, start)
+            steps = [logits[0, -1]]
+            for _ in range(6):
+                steps.append(runner(torch.tensor([[int(steps[-1].argmax())]]), cache, cache.seq_length)[0, -1])
+            ours[backend] = torch.stack(steps)  # (7, vocab)
+            assert cache.seq_length == ids.shape[1] + 6
+    error = ((ours["native"] - ours["eager"]).norm(dim=-1) / ours["eager"].norm(dim=-1)).max().item()
+    assert error < 2e-3, error  # the kernels read the same codes the PyTorch path dequantizes
+    last = exact[0, -1]
+    quantized_error = ((ours["eager"][0] - last).norm() / last.norm()).item()
+    options_matter = ((plain[0, -1] - last).norm() / last.norm()).item()
+    assert quantized_error < options_matter / 5, (quantized_error, options_matter)
+
+
+def test_a_strategy_without_the_options_refuses_in_one_line(tiny_models, monkeypatch):
+    """The guard a future strategy relies on: one that does not declare ``attention_options``
+    refuses such a model, naming the ones that apply them."""
+    from hybridllm.kvcache import registry
+
+    monkeypatch.setitem(registry.STRATEGIES, "quantized",
+                        dataclasses.replace(registry.STRATEGIES["quantized"], attention_options=False))
     config = _load(tiny_models["gemma3"][0]).config
     spec = KVSpec(config.n_layers, config.n_kv_heads, config.head_dim, torch.float32, CPU,
                   attention=layer_attention(config))
-    with pytest.raises(ConfigError, match=f"--kv-cache {strategy} has no sliding-window.*use --kv-cache dynamic, host"
-                       ) as info:
-        create_cache(KVConfig(kv_cache=strategy), spec)
+    with pytest.raises(ConfigError, match="--kv-cache quantized has no sliding-window.*use --kv-cache dynamic, "
+                                          "offloaded, tiered, host") as info:
+        create_cache(KVConfig(kv_cache="quantized"), spec)
     assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="has no sliding-window"):
-        LLM(model=tiny_models["gemma3"][0], kv_cache=strategy)
+        LLM(model=tiny_models["gemma3"][0], kv_cache="quantized")
 
 
 def test_host_strategy_and_eager_backend_keep_parity(tiny_models):

@@ -18,8 +18,8 @@ and log-sum-exp merged, the merged log-sum-exp returned for a further (tier) mer
 A layer may attend otherwise (Gemma): a sliding window, another score scale, tanh soft-capping
 of the scores. ``causal_attention`` takes them as keyword options (defaults: plain attention, the
 paths above); with any of them set it runs :func:`windowed_attention`. A cache reads each layer's
-:class:`AttentionOptions` from its ``KVSpec.attention``; strategies that do not apply them refuse
-such a model (``KVStrategy.attention_options``).
+:class:`AttentionOptions` from its ``KVSpec.attention``: every strategy applies them (a strategy
+that could not would declare so, ``KVStrategy.attention_options``, and refuse such a model).
 """
 
 from __future__ import annotations
@@ -142,22 +142,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_st
 
 
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: int,
-                       options: AttentionOptions) -> torch.Tensor:
+                       options: AttentionOptions, key_start: int = 0) -> torch.Tensor:
     """Causal attention with a sliding window, another scale and/or soft-capped scores, in the
     order of transformers' eager Gemma attention: scores x scale, soft-cap, mask, float32 softmax.
 
     Keys older than every query's window are not read (a decode step reads ``window`` keys).
 
     Args:
-        q: (B, H, T, D) at positions ``query_start ..``; k, v: (B, Hkv, query_start + T, D).
+        q: (B, H, T, D) at positions ``query_start ..``; k, v: (B, Hkv, query_start + T - key_start, D),
+            the keys at positions ``key_start ..`` (a cache may leave out the ones no window shows).
         options: the layer's :class:`AttentionOptions`.
     Returns:
         (B, H, T, D) in q's dtype.
     """
     batch, n_heads, n_queries, head_dim = q.shape
-    n_kv_heads, n_keys = k.shape[1], k.shape[2]
+    n_kv_heads, n_keys = k.shape[1], key_start + k.shape[2]
     first = 0 if options.window is None else max(0, query_start - options.window + 1)  # oldest key any query sees
-    k, v = k[:, :, first:], v[:, :, first:]  # (B, Hkv, S', D)
+    if first < key_start:
+        raise ValueError(f"keys from position {key_start} on: the queries see position {first}")
+    k, v = k[:, :, first - key_start:], v[:, :, first - key_start:]  # (B, Hkv, S', D)
     q_pos = torch.arange(query_start, query_start + n_queries, device=q.device)[:, None]  # (T, 1)
     k_pos = torch.arange(first, n_keys, device=q.device)[None, :]  # (1, S')
     visible = k_pos <= q_pos

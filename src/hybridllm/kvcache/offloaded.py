@@ -63,8 +63,10 @@ class OffloadedCache(HostResidentCache):
         self._staged[slot_idx] = (layer_idx, slot.length)
         self._active = slot_idx
         self._load((layer_idx + 1) % self.spec.n_layers, 1 - slot_idx)  # overlaps the attention below
-        keys, values = slot.read()  # (B, Hkv, past+T, D)
-        return causal_attention(q, keys, values, query_start=past)
+        keys, values = slot.read()  # (B, Hkv, past+T, D): a sliding window masks the older keys
+        options = self.spec.layer_options(layer_idx)
+        return causal_attention(q, keys, values, query_start=past, scale=options.scale, softcap=options.softcap,
+                                window=options.window)
 
     def storage_tensors(self) -> dict[str, list[torch.Tensor]]:
         tiers = super().storage_tensors()
@@ -127,5 +129,6 @@ STRATEGY = KVStrategy(
     cost=_offloaded_cost,
     describe=lambda config: "offloaded KV (in RAM, streamed per layer)",
     moving_parts=3,
+    attention_options=True,
     native="the host rows in place (with the CPU as the device there is nothing to stream)",
 )

@@ -13,6 +13,10 @@ quantized. With ``residual=0`` and per-token keys nothing waits in full precisio
 exactly 8.5 / 4.5 bits per value at group 64, as compact as llama.cpp's q8_0 / q4_0. Per-channel
 keys need ``group_size`` tokens before a group's range is known, so up to ``group_size - 1``
 tokens wait.
+
+A layer with a sliding window, a score scale or a soft-cap (Gemma, Mistral, Phi-3) attends the
+packed groups its window still shows, dequantized, and the tail as :func:`windowed_attention`
+does; the native steps read the codes in place as for any layer (the window in the kernel).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 import torch
 
 from hybridllm.config import KVConfig
-from hybridllm.kvcache.attention import causal_attention, causal_mask, merge_partials, partial_attention
+from hybridllm.kvcache.attention import (AttentionOptions, causal_attention, causal_mask, merge_partials,
+                                         partial_attention, windowed_attention)
 from hybridllm.kvcache.base import InPlaceRows, KVCache, KVFormat, KVSpec, MemoryLedger, dense_format
 from hybridllm.kvcache.storage import DenseKV, QuantizedKV
 from hybridllm.kvcache.strategy import (KVCost, KVStrategy, dense_token_bytes, quantized_token_bytes, read_bytes,
@@ -71,6 +76,7 @@ class QuantizedCache(KVCache):
                         for _ in range(spec.n_layers)]
         self._packed_format = {(8, True): KVFormat.Q8, (4, True): KVFormat.Q4, (8, False): KVFormat.Q8_CHANNEL_KEYS,
                                (4, False): KVFormat.Q4_CHANNEL_KEYS}[(bits, keys_per_token)]
+        self._windows = [spec.layer_options(i).window or 0 for i in range(spec.n_layers)]  # 0: none
         self._table: dict[str, dict[str, list[int]]] = {}  # _address_table's, read at _table_key
         self._table_key: tuple[list[int], list[tuple[int, int]]] | None = None
 
@@ -103,7 +109,10 @@ class QuantizedCache(KVCache):
     def attend(self, layer_idx: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
         packed, recent = self._packed[layer_idx], self._recent[layer_idx]
         past, tail_k, tail_v = self._tail(layer_idx, k_new, v_new)
-        if packed.length:
+        options = self.spec.layer_options(layer_idx)
+        if not options.plain:
+            out = self._attend_with_options(q, packed, tail_k, tail_v, past, options)
+        elif packed.length:
             out = self._attend_packed_and_tail(q, packed, tail_k, tail_v, past)
         else:
             out = causal_attention(q, tail_k, tail_v, query_start=past)
@@ -119,6 +128,19 @@ class QuantizedCache(KVCache):
         mask = causal_mask(n_queries, n_tail, past - packed.length, q.device) if n_queries > 1 else None
         parts.append(partial_attention(q, tail_k, tail_v, mask))
         return merge_partials(parts).to(q.dtype)
+
+    def _attend_with_options(self, q: torch.Tensor, packed: QuantizedKV, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                             past: int, options: AttentionOptions) -> torch.Tensor:
+        """A layer with a sliding window, a score scale or a soft-cap (Gemma, Mistral, Phi-3): the
+        packed tokens some query still sees (whole groups from the window's first key on; all of
+        them without a window) dequantized, then the tail, attended as :func:`windowed_attention`
+        does. (B, H, T, D)."""
+        first = 0 if options.window is None else max(0, past - options.window + 1)  # oldest key any query sees
+        start = min(first // self._granule * self._granule, packed.length)
+        old_k, old_v = packed.read(start, packed.length)  # (B, Hkv, packed - start, D)
+        keys = torch.cat([old_k.to(tail_k.dtype), tail_k], dim=2)  # positions start .. past + T - 1
+        values = torch.cat([old_v.to(tail_v.dtype), tail_v], dim=2)
+        return windowed_attention(q, keys, values, past, options, key_start=start)
 
     def _settle(self, packed: QuantizedKV, recent: DenseKV, tail_k: torch.Tensor, tail_v: torch.Tensor,
                 k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -171,7 +193,8 @@ class QuantizedCache(KVCache):
             self._packed[i].length, self._recent[i].length = h + m, t - m  # as the kernel leaves them
             self._lengths[i] = start + n_new
         return InPlaceRows(start, [packed_run, recent_run], write=1, write_row=_one_or_all([t - n_new for t in tail]),
-                           window=0, settle=_one_or_all(moved), settle_row=_one_or_all(held))
+                           window=_one_or_all([self._windows[i] for i in layers]), settle=_one_or_all(moved),
+                           settle_row=_one_or_all(held))
 
     def _address_table(self, layers: list[int]) -> dict[str, dict[str, list[int]]]:
         """The buffers' addresses and capacities of the given layers, per run: read again only when
@@ -257,5 +280,6 @@ STRATEGY = KVStrategy(
     cost=_quantized_cost,
     describe=lambda config: f"quantized int{config.kv_bits} KV",
     moving_parts=1,
+    attention_options=True,
     native="int8/int4 groups read and written in place, the residual window beside them",
 )

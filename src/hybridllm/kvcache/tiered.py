@@ -20,6 +20,11 @@ the host's share of the tokens falls below that percentage) and when the device 
 cross its eviction limit. Before new tokens are appended, the pages the policy wants at the
 new length (and what the budget needs) move first; the new tokens themselves stay hot while
 they attend, so cold keys always precede every query.
+
+A layer with a sliding window, a score scale or a soft-cap (Gemma, Mistral, Phi-3) attends in
+place on the CPU like any other (the native steps read every run, the window skipping what it
+hides); through PyTorch it attends its tokens of both tiers in position order on the device
+(:meth:`TieredCache.read_layer`), the one path that applies those options.
 """
 
 from __future__ import annotations
@@ -218,7 +223,8 @@ class TieredCache(KVCache):
             for run, values_of in zip(runs, described):
                 for name in RUN_FIELDS:
                     run[name].append(values_of[name])
-        return InPlaceRows(start, runs, write=2, write_row=write_row, window=0)
+        windows = [self.spec.layer_options(i).window or 0 for i in layers]  # 0: none
+        return InPlaceRows(start, runs, write=2, write_row=write_row, window=windows)
 
     def _cold_run(self, cold: TokenStore, position: int) -> dict[str, int]:
         """The cold pages of a layer as a run from ``position`` on."""
@@ -263,6 +269,11 @@ class TieredCache(KVCache):
     def _attention(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         hot, cold = self._hot[layer_idx], self._cold[layer_idx]
         n_queries, n_hot = q.shape[2], hot.length
+        options = self.spec.layer_options(layer_idx)
+        if not options.plain:  # Gemma's, Mistral's, Phi-3's layers: every tier's tokens in order, on the device
+            keys, values = self.read_layer(layer_idx)  # (B, Hkv, length, D)
+            return causal_attention(q, keys, values, query_start=keys.shape[2] - n_queries, scale=options.scale,
+                                    softcap=options.softcap, window=options.window)
         hot_k, hot_v = hot.read()  # (B, Hkv, n_hot, D): sinks, older hot tokens, then the queries' own
         if cold.length == 0:
             return causal_attention(q, hot_k, hot_v, query_start=n_hot - n_queries)
@@ -350,6 +361,7 @@ STRATEGY = KVStrategy(
     name="tiered",
     tiers=("device", "host"),
     spills_to_host=True,
+    attention_options=True,
     host_part=True,
     build=lambda config, spec, ledger: TieredCache(
         spec, ledger,
