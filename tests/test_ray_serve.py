@@ -14,7 +14,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from conftest import OPENAI_MISSING, import_extra
 from serving_helpers import CHAT_PROMPTS, reference
 
 import hybridllm
+from hybridllm.bench.ports import free_port
 
 openai = import_extra("openai", OPENAI_MISSING)
 
@@ -39,12 +39,6 @@ CLIENT_TIMEOUT_S = 150  # a request still unanswered after this has hung
 MAX_TOKENS = 16
 SUFFIXES = ("", " Be brief.", " Answer in one sentence.", " Explain.")
 PROMPTS = [prompt + suffix for suffix in SUFFIXES for prompt in CHAT_PROMPTS]  # 32 distinct prompts
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def replicas(base: str) -> list[dict]:

@@ -26,7 +26,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -38,10 +37,10 @@ import psutil
 import pytest
 from conftest import RAY_MISSING, import_extra
 from test_ray_serve import stop_tree
-from test_server import free_port
 from test_server_hardening import long_tiny  # noqa: F401  (the fixture: a tiny model with an 8K context)
 
 import hybridllm
+from hybridllm.bench.ports import distinct_free_ports, free_port
 
 import_extra("ray", RAY_MISSING)  # the `ray` command beside this Python
 
@@ -50,16 +49,6 @@ pytestmark = pytest.mark.slow  # two Ray nodes and a Serve application
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 BOUND_S = 240
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def distinct_free_ports(n: int) -> list[int]:
-    """``n`` free ports, all different: each socket stays bound until all are chosen (ports chosen
-    one at a time may repeat, and Ray refuses a node whose components share one)."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
 
 
 NODE_PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",

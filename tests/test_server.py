@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -25,17 +24,13 @@ import pytest
 from conftest import OPENAI_MISSING, import_extra
 from serving_helpers import CHAT_PROMPTS, MAX_TOKENS, reference
 
+from hybridllm.bench.ports import free_port
+
 openai = import_extra("openai", OPENAI_MISSING)
 
 pytestmark = pytest.mark.slow  # servers in their own processes, a soak test
 
 STARTUP_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_healthy(base: str, proc: subprocess.Popen | None = None, expect: int = 200) -> None:

@@ -10,7 +10,6 @@ directory. Prints each TTFT (first streamed text, timed by the client) and cache
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,14 +17,10 @@ import time
 
 import httpx
 
+from hybridllm.bench.ports import free_port
+
 TEXT = ("The archive holds records of ships, harbours and the goods they carried between the northern ports, "
         "with the dates of each voyage, the names of the crews and the weather they met. ") * 115  # ~4.2K tokens
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def first_token(*serve_args: str) -> tuple[float, dict]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from hybridllm.bench.ports import free_port
 from hybridllm.engine.metrics import percentile
 
 PROMPTS = [
@@ -129,12 +129,6 @@ async def run_load(url: str, model: str, n_requests: int, concurrency: int, max_
         "latency_p50_s": statistics.median(latencies),
         "latency_p99_s": percentile(latencies, 99),
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(serve_args: Sequence[str], threads: int | None, max_batch: int,
