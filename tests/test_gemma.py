@@ -181,6 +181,34 @@ def test_every_strategy_attends_as_the_gemmas_do(tiny_models, arch, strategy):
     assert quantized_error < options_matter / 5, (quantized_error, options_matter)
 
 
+@pytest.mark.parametrize("strategy", ["tiered", "quantized"])
+def test_batched_gemma_rows_of_every_strategy_are_their_rows_alone(tiny_models, strategy):
+    """Rows at different positions (each past the window, each its own cache) decoded together in
+    one native step: each row's logits are its logits alone, bit for bit."""
+    from hybridllm.kvcache.batch import BatchedCaches
+
+    model = _load(tiny_models["gemma3"][0])
+    c = model.config
+    runner = build_runner(model, Placement.all_on_device(c.n_layers), TierDevices(CPU), "native")
+    spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=128,
+                  attention=layer_attention(c))
+    config = KVConfig(**STRATEGY_KNOBS[strategy])
+    prompts = [torch.arange(n).unsqueeze(0) % c.vocab_size + offset for n, offset in ((21, 3), (13, 40), (30, 7))]
+    alone, together = [], []
+    with torch.inference_mode():
+        for cache_set in (alone, together):
+            for prompt in prompts:
+                cache = create_cache(config, spec)
+                runner(prompt, cache, 0)
+                cache_set.append(cache)
+        tokens = torch.tensor([[5], [9], [11]])
+        expected = [runner(tokens[i:i + 1], cache, cache.seq_length)[0, -1] for i, cache in enumerate(alone)]
+        batch = BatchedCaches(together)
+        got = runner(tokens, batch, batch.start_positions())
+    for i in range(3):
+        assert torch.equal(got[i, -1], expected[i]), f"row {i}"
+
+
 def test_a_strategy_without_the_options_refuses_in_one_line(tiny_models, monkeypatch):
     """The guard a future strategy relies on: one that does not declare ``attention_options``
     refuses such a model, naming the ones that apply them."""
