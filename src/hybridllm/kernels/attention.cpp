@@ -2,6 +2,7 @@
 // a translation unit of their own, so that the block arithmetic's instantiations (query counts x
 // head sizes x KV store layouts) compile in parallel with the rest of the kernels (build.py).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -79,16 +80,22 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
 
 // ---- prefill chunks ---------------------------------------------------------------------------
 // Per-thread state of a prefill item: each row's merged result (max, sum per query, then the
-// outputs), the block results of the rows that see a block whole, and their gathered queries.
+// outputs), the block results of the rows that see a block whole, their gathered queries, and a
+// merge's maxima and factors (per query).
 struct PrefillScratch {
-  std::vector<float> state, block, queries;
+  std::vector<float> state, block, queries, tops, factors;
   void reserve(int64_t rows, int group, int64_t d) {
     const int64_t per_row = group * (d + 2);
-    if (static_cast<int64_t>(state.size()) < rows * per_row) {
-      state.resize(rows * per_row);
-      block.resize(rows * per_row);
-      queries.resize(rows * group * d);
-    }
+    grow(state, rows * per_row);
+    grow(block, rows * per_row);
+    grow(queries, rows * group * d);
+    grow(tops, rows * group);
+    grow(factors, 2 * rows * group);
+  }
+
+ private:
+  static void grow(std::vector<float>& buffer, int64_t n) {
+    if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
   }
 };
 
@@ -118,15 +125,39 @@ void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, 
       const float* m = results;
       const float* l = results + n * group;
       const float* o = results + 2 * n * group;
+      // merge_into per query, its two exponentials computed for every query at once (the same bits)
+      const int64_t queries = n * group;
+      float* tops = work.tops.data();
+      float* factors = work.factors.data();  // (2, queries): e^(m - top), then e^(m_b - top)
       for (int64_t i = 0; i < n; ++i) {
         float* st = work.state.data() + (ra + i - r0) * per_row;
         const bool first = b == RowBlocks(cache, position(ra + i)).first;
-        for (int g = 0; g < group; ++g)
-          merge_into(st[g], st[group + g], st + 2 * group + g * d, m[i * group + g], l[i * group + g],
-                     o + (i * group + g) * d, d, first);
+        for (int g = 0; g < group; ++g) {
+          const int64_t k = i * group + g;
+          if (first) {  // the state holds nothing yet: the block's result as it is
+            merge_into(st[g], st[group + g], st + 2 * group + g * d, m[k], l[k], o + k * d, d, true);
+            tops[k] = NAN;
+            factors[k] = factors[queries + k] = 0.0f;
+            continue;
+          }
+          tops[k] = std::max(st[g], m[k]);
+          factors[k] = st[g] - tops[k];
+          factors[queries + k] = m[k] - tops[k];
+        }
+      }
+      exp_each(factors, 2 * queries);
+      for (int64_t i = 0; i < n; ++i) {
+        float* st = work.state.data() + (ra + i - r0) * per_row;
+        for (int g = 0; g < group; ++g) {
+          const int64_t k = i * group + g;
+          if (std::isnan(tops[k])) continue;  // merged above (its first block)
+          merge_scaled(st[g], st[group + g], st + 2 * group + g * d, tops[k], factors[k], factors[queries + k], l[k],
+                       o + k * d, d);
+        }
       }
     };
     scratch.reserve(BATCH_QUERIES, d);
+    int64_t gathered_first = r1, gathered_last = r1;  // the rows whose queries work.queries holds
     const int64_t first_block = RowBlocks(cache, position(r0)).first, last_block = position(r1 - 1) / KEY_BLOCK;
     for (int64_t b = first_block; b <= last_block; ++b) {
       const int64_t b_lo = b * KEY_BLOCK, b_hi = b_lo + KEY_BLOCK;
@@ -155,8 +186,11 @@ void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, 
       }
       if (whole_first < whole_last) {
         const int64_t n = whole_last - whole_first;
-        for (int64_t i = 0; i < n; ++i)
-          std::memcpy(work.queries.data() + i * group * d, query(whole_first + i), group * d * sizeof(float));
+        if (whole_first != gathered_first || whole_last != gathered_last) {  // gathered once for a run of blocks
+          for (int64_t i = 0; i < n; ++i)
+            std::memcpy(work.queries.data() + i * group * d, query(whole_first + i), group * d * sizeof(float));
+          gathered_first = whole_first, gathered_last = whole_last;
+        }
         const Partial result{work.block.data(), work.block.data() + n * group, work.block.data() + 2 * n * group};
         attend_queries(static_cast<int>(n * group), work.queries.data(), rows_from(b_lo, b_hi), d, options,
                        result, scratch);

@@ -312,7 +312,8 @@ void block_scores(const float* q, const Keys& keys, int64_t n, int64_t d, float 
 
 // ---- values --------------------------------------------------------------------------------
 // acc[g * d + i] = fma(p[g * stride + t], value_t[i], acc[g * d + i]) for t = 0 .. n - 1 in order
-// (acc holds the sums so far: a block's keys may come from several stores).
+// (acc holds the sums so far: a block's keys may come from several stores; `fresh`: it holds
+// zeros, which the registers start from instead of reading them).
 // Value vectors per query held in registers at once when a block's G queries' whole rows (G x VECS
 // vectors) are more than 24 accumulators: the largest span dividing VECS within them.
 constexpr int value_span(int g, int vecs) {
@@ -322,12 +323,12 @@ constexpr int value_span(int g, int vecs) {
 }
 
 template <int VECS, int G, typename Values>
-void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc) {
+void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc, bool fresh) {
   constexpr int64_t D = WLANES * VECS;
   if constexpr (G * VECS <= 24) {
     f32xW a[G][VECS];
     for (int g = 0; g < G; ++g)
-      for (int i = 0; i < VECS; ++i) a[g][i] = load<f32xW>(acc + g * D + WLANES * i);
+      for (int i = 0; i < VECS; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * i);
     for (int64_t t = 0; t < n; ++t) {
       f32xW weight[G];
       for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
@@ -343,7 +344,7 @@ void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t s
     for (int i0 = 0; i0 < VECS; i0 += SPAN) {
       f32xW a[G][SPAN];
       for (int g = 0; g < G; ++g)
-        for (int i = 0; i < SPAN; ++i) a[g][i] = load<f32xW>(acc + g * D + WLANES * (i0 + i));
+        for (int i = 0; i < SPAN; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * (i0 + i));
       for (int64_t t = 0; t < n; ++t) {
         f32xW weight[G];
         for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
@@ -359,20 +360,22 @@ void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t s
 }
 
 template <int G, typename Values>
-void accumulate_values(const Values& values, int64_t n, int64_t d, const float* p, int64_t stride, float* acc) {
+void accumulate_values(const Values& values, int64_t n, int64_t d, const float* p, int64_t stride, float* acc,
+                       bool fresh) {
   if (d % WLANES == 0) {
     switch (d / WLANES) {
-      case 1: return accumulate_fixed<1, G>(values, n, p, stride, acc);
-      case 2: return accumulate_fixed<2, G>(values, n, p, stride, acc);
-      case 4: return accumulate_fixed<4, G>(values, n, p, stride, acc);
-      case 6: return accumulate_fixed<6, G>(values, n, p, stride, acc);
-      case 8: return accumulate_fixed<8, G>(values, n, p, stride, acc);
-      case 12: return accumulate_fixed<12, G>(values, n, p, stride, acc);
-      case 16: return accumulate_fixed<16, G>(values, n, p, stride, acc);
-      case 32: return accumulate_fixed<32, G>(values, n, p, stride, acc);
+      case 1: return accumulate_fixed<1, G>(values, n, p, stride, acc, fresh);
+      case 2: return accumulate_fixed<2, G>(values, n, p, stride, acc, fresh);
+      case 4: return accumulate_fixed<4, G>(values, n, p, stride, acc, fresh);
+      case 6: return accumulate_fixed<6, G>(values, n, p, stride, acc, fresh);
+      case 8: return accumulate_fixed<8, G>(values, n, p, stride, acc, fresh);
+      case 12: return accumulate_fixed<12, G>(values, n, p, stride, acc, fresh);
+      case 16: return accumulate_fixed<16, G>(values, n, p, stride, acc, fresh);
+      case 32: return accumulate_fixed<32, G>(values, n, p, stride, acc, fresh);
       default: break;
     }
   }
+  if (fresh) std::fill(acc, acc + G * d, 0.0f);
   for (int g = 0; g < G; ++g)
     for (int64_t t = 0; t < n; ++t)
       for (int64_t i = 0; i < d; ++i) acc[g * d + i] = std::fma(p[g * stride + t], values.value(t, i), acc[g * d + i]);
@@ -525,11 +528,11 @@ void attend_rows(const float* q, const BlockKV& kv, int64_t d, const ScoreOption
     out.m[g] = block_max(s, n);
     out.l[g] = exp_shifted(s, n, out.m[g]);
   }
-  std::fill(out.o, out.o + G * d, 0.0f);
+  if (kv.count == 0) std::fill(out.o, out.o + G * d, 0.0f);
   int64_t at = 0;
   for (int r = 0; r < kv.count; ++r) {
     read_run(kv.runs[r], false, d, scratch.scales, [&](const auto& values) {
-      accumulate_values<G>(values, kv.runs[r].n, d, scores + at, KEY_BLOCK, out.o);
+      accumulate_values<G>(values, kv.runs[r].n, d, scores + at, KEY_BLOCK, out.o, r == 0);
     });
     at += kv.runs[r].n;
   }
@@ -569,6 +572,22 @@ inline void attend_queries(int count, const float* q, const BlockKV& kv, int64_t
 
 inline bool supported_group(int group) { return group >= 1 && group <= MAX_GROUP; }
 
+// x[t] = exp_clamped(x[t]) for t < n: WLANES at a time where they fit (exp_vector's lanes, the very
+// same operations), then one by one.
+inline void exp_each(float* x, int64_t n) {
+  int64_t t = 0;
+  for (; t + WLANES <= n; t += WLANES) store(x + t, exp_vector(load<f32xW>(x + t)));
+  for (; t < n; ++t) x[t] = exp_clamped(x[t]);
+}
+
+// merge_into's step past the first block, its factors a = e^(m - top) and c = e^(m_b - top) given.
+inline void merge_scaled(float& m, float& l, float* o, float top, float a, float c, float l_b, const float* o_b,
+                         int64_t d) {
+  l = std::fma(l, a, l_b * c);
+  for (int64_t i = 0; i < d; ++i) o[i] = std::fma(o[i], a, o_b[i] * c);
+  m = top;
+}
+
 // state <- state merged with a block's result (one query; `first`: state holds nothing yet).
 inline void merge_into(float& m, float& l, float* o, float m_b, float l_b, const float* o_b, int64_t d, bool first) {
   if (first) {
@@ -577,10 +596,7 @@ inline void merge_into(float& m, float& l, float* o, float m_b, float l_b, const
     return;
   }
   const float top = std::max(m, m_b);
-  const float a = exp_clamped(m - top), c = exp_clamped(m_b - top);
-  l = std::fma(l, a, l_b * c);
-  for (int64_t i = 0; i < d; ++i) o[i] = std::fma(o[i], a, o_b[i] * c);
-  m = top;
+  merge_scaled(m, l, o, top, exp_clamped(m - top), exp_clamped(m_b - top), l_b, o_b, d);
 }
 
 // The blocks a row at `position` attends: [first, last] (block indices), its keys [lo, position].
