@@ -1,7 +1,8 @@
 """What Gemma 2 and Gemma 3 add, and that each piece matters: the sliding window and soft-capping
 change the logits (transformers agrees with ours, full / uncapped attention does not), their GGUF
 keys and tensor names (llama.cpp's), every KV strategy applying them (and the backend that refuses
-them in one line), and llama.cpp reading our Gemma GGUF. Plain parity (logits, greedy ids) is in test_parity.py."""
+them in one line), and llama.cpp reading our Gemma GGUF. Plain parity (logits, greedy ids) is in
+test_parity.py."""
 
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ def test_every_strategy_attends_as_the_gemmas_do(tiny_models, arch, strategy):
     ids = torch.tensor([prompt])
     c = model.config
     spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=128, attention=attention)
-    config = KVConfig(**{k: v for k, v in knobs.items()})
+    config = KVConfig(**knobs)
     exact = _logits(model, ids, attention)
     plain = _logits(model, ids, _without(_without(_without(attention, window=None), softcap=None), scale=None))
     with torch.inference_mode():
@@ -207,6 +208,26 @@ def test_batched_gemma_rows_of_every_strategy_are_their_rows_alone(tiny_models, 
         got = runner(tokens, batch, batch.start_positions())
     for i in range(3):
         assert torch.equal(got[i, -1], expected[i]), f"row {i}"
+
+
+def test_tiered_pytorch_path_counts_the_cold_pages_it_moves(tiny_models):
+    """Through PyTorch a Gemma layer of the tiered cache attends its cold pages on the device: a
+    decode step's host-to-device bytes are those pages' (decoded) bytes, every layer."""
+    model = _load(tiny_models["gemma3"][0])
+    c = model.config
+    runner = build_runner(model, Placement.all_on_device(c.n_layers), TierDevices(CPU), "eager")
+    spec = KVSpec(c.n_layers, c.n_kv_heads, c.head_dim, torch.float32, CPU, max_tokens=128,
+                  attention=layer_attention(c))
+    cache = create_cache(KVConfig(**STRATEGY_KNOBS["tiered"]), spec)
+    token_bytes = 2 * c.n_kv_heads * c.head_dim * 4  # a token's keys and values, float32
+    with torch.inference_mode():
+        runner(torch.arange(5, 5 + 3 * GEMMA_WINDOW).unsqueeze(0), cache, 0)
+        cold_before = sum(cache.cold_tokens(i) for i in range(c.n_layers))
+        moved_before = cache.bus_bytes["h2d"]
+        runner(torch.tensor([[7]]), cache, cache.seq_length)
+    cold_after = sum(cache.cold_tokens(i) for i in range(c.n_layers))
+    moved = cache.bus_bytes["h2d"] - moved_before
+    assert cold_before > 0 and cold_before * token_bytes <= moved <= cold_after * token_bytes
 
 
 def test_a_strategy_without_the_options_refuses_in_one_line(tiny_models, monkeypatch):

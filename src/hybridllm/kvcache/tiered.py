@@ -272,6 +272,9 @@ class TieredCache(KVCache):
         options = self.spec.layer_options(layer_idx)
         if not options.plain:  # Gemma's, Mistral's, Phi-3's layers: every tier's tokens in order, on the device
             keys, values = self.read_layer(layer_idx)  # (B, Hkv, length, D)
+            sinks = self._tables[layer_idx].sinks_held
+            cold_part = slice(sinks, sinks + cold.length)  # the cold pages, decoded, moved to the device
+            self._count_bus("h2d", tensor_bytes(keys[:, :, cold_part], values[:, :, cold_part]))
             return causal_attention(q, keys, values, query_start=keys.shape[2] - n_queries, scale=options.scale,
                                     softcap=options.softcap, window=options.window)
         hot_k, hot_v = hot.read()  # (B, Hkv, n_hot, D): sinks, older hot tokens, then the queries' own
