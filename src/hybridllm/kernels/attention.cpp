@@ -2,7 +2,6 @@
 // a translation unit of their own, so that the block arithmetic's instantiations (query counts x
 // head sizes x KV store layouts) compile in parallel with the rest of the kernels (build.py).
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -129,19 +128,14 @@ void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, 
       const int64_t queries = n * group;
       float* tops = work.tops.data();
       float* factors = work.factors.data();  // (2, queries): e^(m - top), then e^(m_b - top)
+      bool first[QUERY_ROWS];                 // the row's state holds nothing yet: the block's result as it is
       for (int64_t i = 0; i < n; ++i) {
         float* st = work.state.data() + (ra + i - r0) * per_row;
-        const bool first = b == RowBlocks(cache, position(ra + i)).first;
+        first[i] = b == RowBlocks(cache, position(ra + i)).first;
         for (int g = 0; g < group; ++g) {
           const int64_t k = i * group + g;
-          if (first) {  // the state holds nothing yet: the block's result as it is
-            merge_into(st[g], st[group + g], st + 2 * group + g * d, m[k], l[k], o + k * d, d, true);
-            tops[k] = NAN;
-            factors[k] = factors[queries + k] = 0.0f;
-            continue;
-          }
-          tops[k] = std::max(st[g], m[k]);
-          factors[k] = st[g] - tops[k];
+          tops[k] = first[i] ? m[k] : std::max(st[g], m[k]);
+          factors[k] = first[i] ? 0.0f : st[g] - tops[k];
           factors[queries + k] = m[k] - tops[k];
         }
       }
@@ -150,9 +144,11 @@ void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, 
         float* st = work.state.data() + (ra + i - r0) * per_row;
         for (int g = 0; g < group; ++g) {
           const int64_t k = i * group + g;
-          if (std::isnan(tops[k])) continue;  // merged above (its first block)
-          merge_scaled(st[g], st[group + g], st + 2 * group + g * d, tops[k], factors[k], factors[queries + k], l[k],
-                       o + k * d, d);
+          if (first[i])
+            merge_into(st[g], st[group + g], st + 2 * group + g * d, m[k], l[k], o + k * d, d, true);
+          else
+            merge_scaled(st[g], st[group + g], st + 2 * group + g * d, tops[k], factors[k], factors[queries + k],
+                         l[k], o + k * d, d);
         }
       }
     };

@@ -122,6 +122,10 @@ class KVSpec:
         """How layer ``layer_idx`` attends (:data:`~hybridllm.kvcache.attention.PLAIN` by default)."""
         return self.attention[layer_idx] if self.attention else PLAIN
 
+    def layer_windows(self) -> list[int]:
+        """Each layer's sliding window as the native kernels take it (0: none)."""
+        return [self.layer_options(i).window or 0 for i in range(self.n_layers)]
+
     @property
     def plain_attention(self) -> bool:
         """Whether every layer attends plainly (every strategy serves it)."""

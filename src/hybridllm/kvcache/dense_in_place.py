@@ -31,7 +31,7 @@ class DenseInPlaceCache(KVCache):
     def _init_in_place(self) -> None:
         """Call once the stores exist (at the end of the subclass's ``__init__``)."""
         self._in_place = frozenset(i for i, store in enumerate(self._stores) if self._serves_in_place(store))
-        self._windows = [self.spec.layer_options(i).window or 0 for i in range(self.spec.n_layers)]
+        self._windows = self.spec.layer_windows()
         self._table: tuple[list[int], list[int], list[int]] = ([], [], [])  # keys, values, capacity per layer
         self._table_versions: list[int] = []  # the stores' buffer versions the table was read at
 

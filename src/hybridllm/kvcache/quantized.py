@@ -76,7 +76,7 @@ class QuantizedCache(KVCache):
                         for _ in range(spec.n_layers)]
         self._packed_format = {(8, True): KVFormat.Q8, (4, True): KVFormat.Q4, (8, False): KVFormat.Q8_CHANNEL_KEYS,
                                (4, False): KVFormat.Q4_CHANNEL_KEYS}[(bits, keys_per_token)]
-        self._windows = [spec.layer_options(i).window or 0 for i in range(spec.n_layers)]  # 0: none
+        self._windows = spec.layer_windows()  # the kernels' per layer (0: none)
         self._table: dict[str, dict[str, list[int]]] = {}  # _address_table's, read at _table_key
         self._table_key: tuple[list[int], list[tuple[int, int]]] | None = None
 

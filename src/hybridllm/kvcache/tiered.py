@@ -96,6 +96,7 @@ class TieredCache(KVCache):
         self._hot = [DenseKV(self.ledger, "device", spec.device, spec, granule=page_size) for _ in range(n)]
         self._cold: list[TokenStore]
         self._cold = [self._new_cold_store(cold_bits) for _ in range(n)]
+        self._windows = spec.layer_windows()  # the kernels' per layer (0: none)
 
     # ---- the contract -------------------------------------------------------------------
     extendable = True
@@ -223,8 +224,7 @@ class TieredCache(KVCache):
             for run, values_of in zip(runs, described):
                 for name in RUN_FIELDS:
                     run[name].append(values_of[name])
-        windows = [self.spec.layer_options(i).window or 0 for i in layers]  # 0: none
-        return InPlaceRows(start, runs, write=2, write_row=write_row, window=windows)
+        return InPlaceRows(start, runs, write=2, write_row=write_row, window=[self._windows[i] for i in layers])
 
     def _cold_run(self, cold: TokenStore, position: int) -> dict[str, int]:
         """The cold pages of a layer as a run from ``position`` on."""
