@@ -79,6 +79,18 @@ def avx2_library():
 
 
 @pytest.fixture(scope="session")
+def narrow_vectors_library():
+    """The native build with the compiler preferring 128-bit vectors: where a kernel left an order of
+    float operations to the compiler's choice of vector width (an ``omp simd`` reduction), its bits
+    differ from the default build's."""
+    from hybridllm.kernels import build, native
+
+    if not _cpu_has("avx2"):
+        pytest.skip("needs an x86 CPU with AVX2")
+    return native._declare(build.build_library(("-mprefer-vector-width=128",)).library)
+
+
+@pytest.fixture(scope="session")
 def avx2_vnni_library():
     """The kernels built for x86-64-v3 with AVX-VNNI (vpdpbusd on 256 bits: Alder Lake and later);
     None where the CPU has no AVX-VNNI."""

@@ -103,13 +103,12 @@ class InputRows {
   void prepare_group(int64_t r, int64_t g) {
     const float* xg = x_ + r * k_ + g * GROUP;
     const int64_t at = r * groups_ + g;
-    float sum = 0.0f, amax = 0.0f;
-#pragma omp simd reduction(+ : sum) reduction(max : amax)
-    for (int j = 0; j < GROUP; ++j) {
-      sum += xg[j];
-      amax = std::max(amax, std::fabs(xg[j]));
-    }
-    sums_[at] = sum;
+    f32xL lanes = {};  // the sum in common.h's sum_in_order order: the same bits on every build
+    for (int j = 0; j < GROUP; j += LANES) lanes += load<f32xL>(xg + j);
+    float amax = 0.0f;  // (a maximum is exact in any order)
+#pragma omp simd reduction(max : amax)
+    for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(xg[j]));
+    sums_[at] = sum_in_order(lanes);
     const float scale = amax / 127.0f;
     const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     dot_scales_[at] = scale / 128.0f;

@@ -98,6 +98,17 @@ inline float sum_lanes(f32xL v) {
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+// 0 + v[0] + v[1] + ... + v[LANES - 1], added in that order. With running sums that take element i
+// into lane i % LANES, the one order of the sums the kernels reduce (a row's squares, an activation
+// group's values) on every build and CPU. (An `omp simd` reduction leaves its order to the compiler:
+// GCC takes 8 lanes on AVX2 and Intel's AVX-512 targets but 16 where -march=native prefers 512-bit
+// vectors, AMD Zen 5, so one product gave different bits on the two builds there.)
+inline float sum_in_order(f32xL v) {
+  float s = 0.0f;
+  for (int i = 0; i < LANES; ++i) s += v[i];
+  return s;
+}
+
 inline float sum_wide(f32xW v) {
   float s[WLANES];
   std::memcpy(s, &v, sizeof v);

@@ -23,12 +23,19 @@ namespace hl {
 
 // ---- row-wise steps -------------------------------------------------------------------------
 inline void rms_norm(const float* x, const float* weight, float eps, int64_t n, float* out) {
-  float sum_sq = 0.0f;
-#pragma omp simd reduction(+ : sum_sq)
-  for (int64_t i = 0; i < n; ++i) sum_sq += x[i] * x[i];
+  // x . x in common.h's sum_in_order order (the squares past the last whole LANES into lane 0):
+  // the same bits on every build
+  f32xL lanes = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    const f32xL v = load<f32xL>(x + i);
+    lanes = fma_lanes(v, v, lanes);
+  }
+  for (; i < n; ++i) lanes[0] = std::fma(x[i], x[i], lanes[0]);
+  const float sum_sq = sum_in_order(lanes);
   const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+  for (int64_t j = 0; j < n; ++j) out[j] = weight[j] * (x[j] * inv);
 }
 
 // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i].
