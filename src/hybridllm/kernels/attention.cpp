@@ -18,26 +18,30 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
   if (team.thread == 0) {
     int64_t blocks = 0, items = 0;
     parts.reserve(0, 0, rows);
+    for (int64_t r = 0; r < rows; ++r) blocks += RowBlocks(caches[r], caches[r].start).count() * n_kv_heads;
+    const int64_t per_item = parts.blocks_per_item = decode_blocks_per_item(blocks, team.size);
+    blocks = 0;
     for (int64_t r = 0; r < rows; ++r) {
       parts.row_blocks[r] = blocks;
       parts.item_offsets[r] = items;
       const RowBlocks rb(caches[r], caches[r].start);
       blocks += rb.count() * n_kv_heads;
-      items += (rb.count() + BLOCKS_PER_ITEM - 1) / BLOCKS_PER_ITEM * n_kv_heads;
+      items += (rb.count() + per_item - 1) / per_item * n_kv_heads;
     }
     parts.reserve(blocks, static_cast<int64_t>(group) * (d + 2), rows);
     parts.row_blocks[rows] = blocks;
     parts.item_offsets[rows] = items;
   }
   team.barrier();
-  const int64_t all_items = parts.item_offsets[rows];
+  const int64_t all_items = parts.item_offsets[rows], per_item = parts.blocks_per_item;
+  const int64_t prefetch_bytes = decode_prefetch_bytes(group, d);
   const int64_t stride = static_cast<int64_t>(group);  // one block's max/sum entries
   for (int64_t item = team.claim(); item < all_items; item = team.claim()) {
     const int64_t r = std::upper_bound(parts.item_offsets.begin(), parts.item_offsets.begin() + rows, item) -
                       parts.item_offsets.begin() - 1;
     const HLLayerCache& cache = caches[r];
     const RowBlocks rb(cache, cache.start);
-    const int64_t items_per_head = (rb.count() + BLOCKS_PER_ITEM - 1) / BLOCKS_PER_ITEM;
+    const int64_t items_per_head = (rb.count() + per_item - 1) / per_item;
     const int64_t local = item - parts.item_offsets[r];
     const int64_t head = local / items_per_head, chunk = local % items_per_head;
     // Block b's keys and values (every store's part, in place); the next one's are built once,
@@ -45,14 +49,15 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
     const auto block_of = [&](int64_t b) {
       return block_kv(cache, head, rb.block_lo(b), RowBlocks::block_hi(b, cache.start));
     };
-    BlockKV kv = block_of(rb.first + chunk * BLOCKS_PER_ITEM);
-    for (int64_t i = chunk * BLOCKS_PER_ITEM; i < std::min(rb.count(), (chunk + 1) * BLOCKS_PER_ITEM); ++i) {
+    BlockKV kv = block_of(rb.first + chunk * per_item);
+    for (int64_t i = chunk * per_item; i < std::min(rb.count(), (chunk + 1) * per_item); ++i) {
       const int64_t b = rb.first + i;
       const int64_t slot = parts.row_blocks[r] + head * rb.count() + i;  // (row, head, block)
       const Partial result{parts.max.data() + slot * stride, parts.sum.data() + slot * stride,
                            parts.out.data() + slot * stride * d};
       const BlockKV next = b < rb.last ? block_of(b + 1) : BlockKV{};
-      for (int n = 0; n < next.count; ++n) prefetch_run(next.runs[n], true, d, false);
+      for (int n = 0; n < next.count; ++n) prefetch_run(next.runs[n], true, d, false, prefetch_bytes);
+      for (int n = 0; n < kv.count; ++n) prefetch_run(kv.runs[n], false, d, true, prefetch_bytes);  // read after the scores
       scratch.reserve(group, d);
       attend_queries(group, q + r * q_stride + head * group * d, kv, d, options, result, scratch);
       kv = next;

@@ -16,8 +16,8 @@
 // whichever store layout, kernel or thread reads it, and a block spanning several stores reads
 // each run in place, no float copy.
 //
-// Decode rows: the blocks of a row go to the threads as items (row, KV head, up to
-// BLOCKS_PER_ITEM blocks), each block's (m_b, l_b, o_b) kept, then each (row, query head) merges
+// Decode rows: the blocks of a row go to the threads as items (row, KV head, a run of
+// consecutive blocks), each block's (m_b, l_b, o_b) kept, then each (row, query head) merges
 // its blocks in order; their keys and values are read in place. Prefill chunks: items (chunk,
 // QUERY_ROWS positions, KV head), each row merging its blocks as it goes; a block read by many
 // queries is gathered once as float32 rows (the same values). The same block function and the
@@ -43,7 +43,8 @@ struct ScoreOptions {
 };
 
 constexpr int64_t KEY_BLOCK = 64;       // keys per block, aligned to absolute positions
-constexpr int64_t BLOCKS_PER_ITEM = 4;  // a decode item's blocks
+constexpr int64_t MIN_BLOCKS_PER_ITEM = 4;   // a decode item's blocks: at least
+constexpr int64_t MAX_BLOCKS_PER_ITEM = 32;  // and at most
 constexpr int64_t QUERY_ROWS = 32;      // a prefill item's positions
 constexpr int MAX_GROUP = 16;           // query heads per KV head the kernels take
 
@@ -423,11 +424,9 @@ struct BlockKV {
   int count;
 };
 
-// Asks for a dense run's keys or values (float32 or float16 rows) ahead of their reading, into the
-// first-level cache (`into_l1`) or the second; quantized runs are left to the hardware. A decode
-// block reads its keys, then its values, then the next block's keys: each stream is a few pages the
-// hardware prefetcher only starts on when they are first touched, and the compute between them
-// leaves the bus idle (the decode attention at 8K: ~11% of its time). Changes no value. Not inlined
+// Asks for the first `bytes` of a dense run's keys or values (float32 or float16 rows) ahead of
+// their reading, into the first-level cache (`into_l1`) or the second; quantized runs are left to
+// the hardware. Changes no value (decode_prefetch_bytes says how much a decode block asks for). Not inlined
 // and not analysed across calls (GCC's noipa): GCC 12 takes a function that only prefetches for one
 // without effects and drops its inlined loop or its calls altogether.
 #if defined(__clang__)
@@ -435,12 +434,12 @@ struct BlockKV {
 #else
 #define HL_KEEP_PREFETCHES __attribute__((noipa))
 #endif
-HL_KEEP_PREFETCHES inline void prefetch_run(const KVRun& run, bool keys, int64_t d, bool into_l1) {
+HL_KEEP_PREFETCHES inline void prefetch_run(const KVRun& run, bool keys, int64_t d, bool into_l1, int64_t bytes) {
   if (run.seg == nullptr || (run.seg->format != KV_F32 && run.seg->format != KV_F16)) return;
   const int64_t size = run.seg->format == KV_F32 ? 4 : 2;
   const char* first = static_cast<const char*>(keys ? run.seg->k : run.seg->v) +
                       (run.head * run.seg->capacity + run.row) * d * size;
-  for (int64_t offset = 0; offset < run.n * d * size; offset += 64) {
+  for (int64_t offset = 0; offset < std::min(bytes, run.n * d * size); offset += 64) {
     if (into_l1)
       __builtin_prefetch(first + offset, 0, 3);
     else
@@ -515,7 +514,6 @@ void attend_rows(const float* q, const BlockKV& kv, int64_t d, const ScoreOption
                  BlockScratch& scratch) {
   float* scores = scratch.scores.data();
   int64_t n = 0;
-  for (int r = 0; r < kv.count; ++r) prefetch_run(kv.runs[r], false, d, true);  // the values, read after the scores
   for (int r = 0; r < kv.count; ++r) {
     read_run(kv.runs[r], true, d, scratch.scales, [&](const auto& keys) {
       block_scores<G>(q, keys, kv.runs[r].n, d, options.scale, scores + n, KEY_BLOCK);
@@ -613,10 +611,40 @@ struct RowBlocks {
 };
 
 // ---- decode rows ----------------------------------------------------------------------------
+// How much of each run of keys or values a decode block asks for ahead of its reading
+// (prefetch_run): its keys a block ahead, its values before its scores. A block reads its keys, then
+// its values, then the next block's keys, each a stream the hardware prefetcher only starts on
+// when it is first touched, so the bus would idle through the arithmetic between them. On Intel
+// (Sapphire Rapids, docs/performance.md) asking for the whole run pays: without it the Qwen3-shaped
+// kernel read 14 GB/s, with it 16.5. On AMD (Zen 5) the requests for a whole run stall the
+// arithmetic behind them unless it is long enough to cover them: there a block asks for its runs'
+// first 512 bytes only (the hardware streams the rest) where a key's arithmetic, group x d
+// multiply-adds per phase, is under 512; measured over the preset's six head shapes at 8K, that is
+// 3-20% faster at group x d <= 448 and 12-15% slower at 512 and 1024 (docs/performance.md).
+inline int64_t decode_prefetch_bytes(int group, int64_t d) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const bool amd = __builtin_cpu_is("amd");
+#else
+  const bool amd = false;
+#endif
+  return amd && group * d < 512 ? 512 : INT64_MAX;
+}
+
+// A decode call's blocks per item: long runs of consecutive blocks (one KV head's keys and values
+// read as long streams, which the hardware prefetcher keeps ahead of), yet about 8 items per
+// thread for the claiming to even out. The items only share the work out: a row's blocks and
+// their merge order, hence its bits, do not depend on them.
+inline int64_t decode_blocks_per_item(int64_t blocks, int threads) {
+  return std::clamp<int64_t>(blocks / (8 * static_cast<int64_t>(std::max(threads, 1))), MIN_BLOCKS_PER_ITEM,
+                             MAX_BLOCKS_PER_ITEM);
+}
+
 // The block results of decode rows, shared by a team; its buffers only grow.
 struct AttentionParts {
   std::vector<float> out, max, sum;
   std::vector<int64_t> row_blocks, item_offsets;  // (rows + 1,): where each row's blocks / items start
+  int64_t blocks_per_item = MIN_BLOCKS_PER_ITEM;   // this call's item size (decode_blocks_per_item)
 
   void reserve(int64_t blocks, int64_t group_outputs, int64_t rows) {
     grow(out, blocks * group_outputs);
@@ -637,7 +665,7 @@ struct AttentionParts {
 // caches[r].start, over its own KV -> out (rows, H, D), and where lse is not null the log-sum-exp
 // of each (row, head)'s scores -> lse (rows, H) (a partial attention another part merges with), by
 // the team (`parts` sized by thread 0 between barriers). Items (row, KV head, up to
-// BLOCKS_PER_ITEM blocks) are claimed as the threads come; then each (row, query head) merges its
+// parts.blocks_per_item consecutive blocks) are claimed as the threads come; then each (row, query head) merges its
 // blocks in order.
 void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
                     int64_t rows, int n_heads, int n_kv_heads, int64_t d, const ScoreOptions& options,
