@@ -39,10 +39,12 @@ namespace hl {
 
 constexpr int64_t GROUP = 32;  // inputs per quantization group: each group's integer dot is exact
 constexpr int64_t TILE_ROWS = 16;  // weight rows per tile of every quantized type (qtypes.h)
-// How far ahead of a group's codes the vector products ask for the codes they read next: 2.5 KiB
-// (about ten Q4_K groups). One-row products out of the caches on 2 threads, Q4_K and Q6_K, read
-// 4-9% more per second than at 1.25 KiB; 5 KiB and 10 KiB gained nothing more.
-constexpr int64_t PRODUCT_PREFETCH_BYTES = 2560;
+// How far ahead of a group's codes the vector products ask for the codes they read next: 5 KiB
+// (about twenty Q4_K groups). One-row products out of the caches on 2 threads, Q4_K and Q6_K: on
+// Intel Sapphire Rapids 2.5 KiB read 4-9% more per second than 1.25 KiB, and 5 or 10 KiB the same
+// as 2.5; on AMD Zen 5 5 KiB read 2-5% more than 2.5 KiB (Q6_K 47 GB/s, at the memory's rate),
+// 7.5 and 10 KiB less. 512-row products: the same at 2.5 and 5 KiB.
+constexpr int64_t PRODUCT_PREFETCH_BYTES = 5120;
 
 // ---- vectors ------------------------------------------------------------------------------
 // GCC/Clang vector extensions: one source that the compiler lowers to the registers -march
