@@ -16,11 +16,11 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
                     float* out, AttentionParts& parts, BlockScratch& scratch, float* lse) {
   const int group = n_heads / n_kv_heads;
   if (team.thread == 0) {
+    int64_t all_blocks = 0;
+    for (int64_t r = 0; r < rows; ++r) all_blocks += RowBlocks(caches[r], caches[r].start).count() * n_kv_heads;
+    const int64_t per_item = parts.blocks_per_item = decode_blocks_per_item(all_blocks, team.size);
     int64_t blocks = 0, items = 0;
     parts.reserve(0, 0, rows);
-    for (int64_t r = 0; r < rows; ++r) blocks += RowBlocks(caches[r], caches[r].start).count() * n_kv_heads;
-    const int64_t per_item = parts.blocks_per_item = decode_blocks_per_item(blocks, team.size);
-    blocks = 0;
     for (int64_t r = 0; r < rows; ++r) {
       parts.row_blocks[r] = blocks;
       parts.item_offsets[r] = items;
