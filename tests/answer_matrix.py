@@ -40,20 +40,20 @@ def _answer(result: Any) -> dict[str, Any]:
             "cached_tokens": result.metrics.get("cached_tokens", 0)}
 
 
-def answers(model: str, weights: str) -> dict[str, list[dict[str, Any]]]:
+def answers(model: str, weights: str, activations: str = "exact") -> dict[str, list[dict[str, Any]]]:
     """Setting name -> the 8 prompts' answers."""
     from hybridllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
     out: dict[str, list[dict[str, Any]]] = {}
     for chunk in CHUNKS:
-        llm = LLM(model, device="cpu", weights=weights, prefill_chunk=chunk)
+        llm = LLM(model, device="cpu", weights=weights, prefill_chunk=chunk, activations=activations)
         every = prompts(llm.config.vocab_size)
         out[f"chunk {chunk}"] = [_answer(llm.generate(ids, params)) for ids in every[:len(PROMPT_LENGTHS)]]
         if chunk in (CHUNKS[0], CHUNKS[-1]):  # whole prompts in one forward; pieces beside decodes
             batch = llm.engine.generate_batch(every, [params] * len(every))
             out[f"batch of 16, chunk {chunk}"] = [_answer(result) for result in batch[:len(PROMPT_LENGTHS)]]
-    cached = LLM(model, device="cpu", weights=weights, prefix_cache_ram="64MiB")
+    cached = LLM(model, device="cpu", weights=weights, prefix_cache_ram="64MiB", activations=activations)
     first = [_answer(cached.generate(ids, params)) for ids in every[:len(PROMPT_LENGTHS)]]
     out["prefix cache, first ask"] = first
     out["prefix cache, second ask"] = [_answer(cached.generate(ids, params)) for ids in every[:len(PROMPT_LENGTHS)]]
@@ -61,8 +61,9 @@ def answers(model: str, weights: str) -> dict[str, list[dict[str, Any]]]:
 
 
 def main(argv: list[str]) -> None:
-    pairs = list(zip(argv[::2], argv[1::2]))
-    print(json.dumps({model: answers(model, weights) for model, weights in pairs}))
+    """argv: (model, weights, activations) triples; prints {"model weights activations": answers}."""
+    triples = list(zip(argv[::3], argv[1::3], argv[2::3]))
+    print(json.dumps({" ".join(triple): answers(*triple) for triple in triples}))
 
 
 if __name__ == "__main__":

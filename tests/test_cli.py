@@ -107,9 +107,15 @@ def test_prompt_longer_than_context(tiny_models):
     ("--dtype", "float8", "dtype"),
     ("--kv-cache", "magic", "KV cache"),
     ("--vram-budget", "lots", "byte count"),
+    ("--activations", "int4", "activations mode"),
 ])
 def test_invalid_values(flag, value, needle):
     assert_one_line_error(run_cli("generate", "hi", flag, value), needle)
+
+
+def test_int8_activations_need_the_files_own_weights():
+    assert_one_line_error(run_cli("generate", "hi", "--activations", "int8", "--weights", "int8"),
+                          "--activations int8", "--weights auto")
 
 
 def test_prompt_from_stdin(tiny_models):

@@ -3,7 +3,8 @@ files, held in the file's own blocks and scales, the engine's int8, and float ro
 
 For each: the values the kernels compute with are the file's (the gguf package's dequantizer,
 exactly); the product is the exact product of those values up to the activations' two int8
-digits; every kernel (AVX-512 VNNI, AMX tiles, AVX2 with and without VNNI, the portable
+digits (or, with one digit, ``--activations int8``, exactly that of the inputs rounded to int8 per
+group of 32); every kernel (AVX-512 VNNI, AMX tiles, AVX2 with and without VNNI, the portable
 reference) gives the same bits; a row's result does not depend on the other rows; the tiles take
 the file's bytes. Random blocks cover every code, scale and min a file may hold.
 """
@@ -46,9 +47,19 @@ def gguf_values(type_name: str, rows: np.ndarray, k: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(rows.shape[0], k))
 
 
-def held(type_name: str, n: int, k: int, seed: int = 0) -> tuple[NativeQuantLinear, torch.Tensor]:
+def held(type_name: str, n: int, k: int, seed: int = 0, digits: int = 2) -> tuple[NativeQuantLinear, torch.Tensor]:
     rows = random_rows(type_name, n, k, seed)
-    return NativeQuantLinear.from_gguf(type_name, torch.from_numpy(rows.copy()), k), gguf_values(type_name, rows, k)
+    layer = NativeQuantLinear.from_gguf(type_name, torch.from_numpy(rows.copy()), k, activation_digits=digits)
+    return layer, gguf_values(type_name, rows, k)
+
+
+def rounded_to_one_digit(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as one int8 digit per value represents it: per group of 32, scale = max|x| / 127,
+    round(x / scale) * scale (ties to even, as the kernels' nearbyint)."""
+    groups = x.reshape(x.shape[0], -1, 32)  # (M, K/32, 32)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(groups * inverse) * scale).reshape(x.shape)
 
 
 @pytest.fixture
@@ -88,8 +99,34 @@ def test_products_are_exact_dots_the_same_on_every_kernel(type_name, rows, amx):
 
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_every_build_gives_the_same_bits(type_name, avx2_library, avx2_vnni_library, portable_library):
-    layer, _ = held(type_name, 40, 512, seed=7)
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_one_digit_products_are_exact_dots_of_the_rounded_inputs(type_name, rows, amx):
+    """``--activations int8``: every kernel skips the low digits, and the result is the product of
+    the file's values with the inputs rounded to one int8 digit per value (the min terms of
+    asymmetric types included: they see the rounded inputs' sums), one arithmetic per row."""
+    layer, values = held(type_name, 48, 768, seed=rows, digits=1)
+    exact_layer, _ = held(type_name, 48, 768, seed=rows)
+    view = native.linear_view(layer)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    reference = native.reference_linear(view, x)
+    for tiles in (1, 0):
+        amx.hl_set_amx(tiles)
+        out = native.linear(view, x)
+        assert torch.equal(out, reference), f"tiles={tiles}"
+        assert torch.equal(torch.cat([native.linear(view, x[i:i + 1]) for i in range(rows)]), out)
+    expected = rounded_to_one_digit(x).double() @ values.double().T
+    scale = expected.abs().max().item()
+    assert (reference.double() - expected).abs().max().item() / scale < 2e-6  # float32 sums of exact dots
+    exact = x.double() @ values.double().T
+    one_digit_error = (reference.double() - exact).abs().max().item() / scale
+    two_digit_error = (exact_layer(x).double() - exact).abs().max().item() / scale
+    assert 10 * two_digit_error < one_digit_error < 2e-2  # the low digit really is gone, and only it
+
+
+@pytest.mark.parametrize("digits", [2, 1])
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_every_build_gives_the_same_bits(type_name, digits, avx2_library, avx2_vnni_library, portable_library):
+    layer, _ = held(type_name, 40, 512, seed=7, digits=digits)
     view = native.linear_view(layer)
     x = torch.randn(14, 512, generator=torch.Generator().manual_seed(8))  # passes of 4 rows and a remainder
     out = native.linear(view, x)
@@ -99,12 +136,13 @@ def test_every_build_gives_the_same_bits(type_name, avx2_library, avx2_vnni_libr
         assert torch.equal(native.linear(view, x, library=avx2_vnni_library), out)
 
 
+@pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q5_K", "Q8_0"])
-def test_the_bits_do_not_depend_on_the_compilers_vector_width(type_name, narrow_vectors_library):
+def test_the_bits_do_not_depend_on_the_compilers_vector_width(type_name, digits, narrow_vectors_library):
     """The activations' group sums (the min terms of Q4_1 and the K-quants) are added in one written
     order: an `omp simd` reduction, whose order followed the vector width GCC preferred, gave the
     AVX2 and the native build different bits on AMD Zen 5 (16 lanes there, 8 on Intel)."""
-    layer, _ = held(type_name, 40, 512, seed=9)
+    layer, _ = held(type_name, 40, 512, seed=9, digits=digits)
     view = native.linear_view(layer)
     x = torch.randn(14, 512, generator=torch.Generator().manual_seed(10))
     assert torch.equal(native.linear(view, x, library=narrow_vectors_library), native.linear(view, x))

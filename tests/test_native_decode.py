@@ -67,7 +67,7 @@ def test_int4_blocks_pad_rows_beyond_a_block():
     assert blocks.shape == (7, 2, 320)  # 16-row blocks, the last one padded
     unpacked_codes, unpacked_sz = native.unpack_int4_blocks(blocks, n, k)
     assert torch.equal(unpacked_codes, codes) and torch.equal(unpacked_sz, scales_and_zeros)
-    view = native.LinearView(native.HLLinear(native.FORMAT_Q4, 0, n, k, blocks.data_ptr(), 0, 0), [blocks])
+    view = native.LinearView(native.HLLinear(native.FORMAT_Q4, 0, n, k, blocks.data_ptr(), 0, 0, native.EXACT_DIGITS), [blocks])
     sz = scales_and_zeros.float()
     weight = ((codes.float().reshape(n, 2, 32) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None])
     x = torch.randn(1, k, generator=_gen(4))

@@ -8,6 +8,7 @@ at 2K, resident weights against the file's tensor bytes, peak RSS against llama.
     .venv/bin/python tools/models_bench.py --threads 2 [--models qwen2.5-0.5b,gemma-3-270m]
         [--baseline llama.cpp,transformers] [--new-tokens 64] [--repeat 1] [--json out.json]
         [--markdown out.md] [--folder ~/.cache/hybridllm/models] [--kv-dtype float16]
+        [--activations int8]
 
 Run it on a quiet machine (each configuration runs in its own process; the ratios compare engines
 measured in the same run). ``HYBRIDLLM_KERNEL_MARCH=x86-64-v3`` measures the AVX2 build.
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--kv-dtype", default="float16", help="our KV storage (llama.cpp's default cache is f16)")
+    parser.add_argument("--activations", default="exact", help="our products' input rounding: exact or int8")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -47,7 +49,8 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     files = models_preset.model_files(names, args.configs, args.folder)
     grid = models_preset.models_grid(files, baselines, new_tokens=args.new_tokens, threads=args.threads,
-                                     repeat=args.repeat, weights="auto", kv_options={"kv_dtype": args.kv_dtype})
+                                     repeat=args.repeat, weights="auto", kv_options={"kv_dtype": args.kv_dtype},
+                                     llm_options={"activations": args.activations})
     command = "HYBRIDLLM_KERNEL_MARCH=" + os.environ.get("HYBRIDLLM_KERNEL_MARCH", "native") + " " + \
         " ".join(shlex.quote(a) for a in [".venv/bin/python", "tools/models_bench.py", *sys.argv[1:]])
     machine = report.machine_info()

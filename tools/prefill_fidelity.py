@@ -4,9 +4,11 @@ llama.cpp's, against the exact model (float32 over the file's dequantized weight
 
     .venv/bin/python tools/prefill_fidelity.py [--model PATH] [--text docs/architecture.md] [--tokens 1024]
         [--chunk 512] [--threads 2] [--save ours.pt] [--extra NAME=saved.pt ...] [--no-llama-cpp]
+        [--activations exact,int8]
 
 Prints, per engine, the mean KL(exact || engine) in nats per token, the top-1 agreement and the
-count of positions whose top-1 token differs. ``--save`` writes our logits (and the ids) so that
+count of positions whose top-1 token differs; ``--activations`` lists our products' input roundings
+to measure (default: exact, the engine's default). ``--save`` (the first one's logits) writes our logits (and the ids) so that
 another checkout's run can be compared in this one with ``--extra`` (run the other checkout's
 engine with ``PYTHONPATH=<its src> ... --save its.pt --no-llama-cpp``).
 """
@@ -33,16 +35,20 @@ def main() -> None:
     parser.add_argument("--save", help="write our logits and the ids here")
     parser.add_argument("--extra", action="append", default=[], help="NAME=PATH of logits saved by --save")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--activations", default="exact", help="comma-separated: exact, int8")
     args = parser.parse_args()
 
     path = args.model or str(default_model_path())
-    ours = LLM(path, threads=args.threads)  # weights="auto": as served
-    ids = ours.tokenizer.encode(Path(args.text).read_text(), add_special_tokens=True)[:args.tokens]
-    ours_logits = position_logits(ours, ids, args.chunk)
-    engines = {f"hybridllm ({ours.weights_format})": ours_logits}
-    if args.save:
-        torch.save({"ids": ids, "logits": ours_logits}, args.save)
-    del ours
+    engines, ids = {}, None
+    for activations in args.activations.split(","):
+        ours = LLM(path, threads=args.threads, activations=activations)  # weights="auto": as served
+        if ids is None:
+            ids = ours.tokenizer.encode(Path(args.text).read_text(), add_special_tokens=True)[:args.tokens]
+        ours_logits = position_logits(ours, ids, args.chunk)
+        if args.save and not engines:
+            torch.save({"ids": ids, "logits": ours_logits}, args.save)
+        engines[f"hybridllm ({ours.weights_format}, {activations} activations)"] = ours_logits
+        del ours
     exact = position_logits(LLM(path, weights="float", threads=args.threads), ids, args.chunk)
     for spec in args.extra:
         name, saved = spec.split("=", 1)

@@ -19,6 +19,7 @@ from hybridllm.config import EngineConfig, PrefixCacheConfig, SamplingParams, Sp
 from hybridllm.engine.llm_engine import GenerationResult, LLMEngine, StreamEvent
 from hybridllm.engine.prefix import build_prefix_cache
 from hybridllm.errors import ConfigError
+from hybridllm.kernels.native_linear import activation_digits
 from hybridllm.kvcache.base import KVCache, MemoryLedger
 from hybridllm.kvcache.dynamic import DynamicCache
 from hybridllm.loading.registry import open_checkpoint
@@ -60,6 +61,12 @@ class LLM:
             in a warm-up step at load and counts in the cold start (the "compiled" backend).
         decode_backend: the decode backend by name ("eager", "compiled", "native", ... see
             ``hybridllm.runtime.backends``); "auto" follows ``native_decode`` and ``compile``.
+        activations: how the native kernels' products round their inputs for the weights kept in
+            the file's quantized types: "exact" (two int8 digits per value, ~15 bits: logits within
+            ~1e-6 nats of float32's) or "int8" (one digit per value with a scale per 32, as
+            llama.cpp's Q8_0 activations: half the integer work, so faster prefill; the KL from the
+            exact model about half llama.cpp's). Every row still gets one arithmetic (chunked,
+            cached or batched alike).
         ctx_size: llama.cpp's ``-c``: caps the context window (prompt + generated tokens) and
             sizes the KV to it; 0: the model's own window.
         prefix_cache_ram: host RAM for KV pages reused across requests (a size such as "1GiB",
@@ -97,6 +104,7 @@ class LLM:
         native_decode: bool = True,
         compile: bool = False,
         decode_backend: str = "auto",
+        activations: str = "exact",
         ctx_size: int = 0,
         prefix_cache_ram: str | int | None = None,
         prefix_cache_disk: str | os.PathLike | None = None,
@@ -114,8 +122,9 @@ class LLM:
     ) -> None:
         engine_config = EngineConfig(device=device, dtype=dtype, prefill_chunk=prefill_chunk, threads=threads,
                                      ctx_size=ctx_size)
+        activation_digits(activations)  # an unknown mode fails before the slow load
         options = BuildOptions(fuse=fuse, decode_backend=resolve_decode_backend(decode_backend, native_decode, compile),
-                               show_progress=show_progress)
+                               show_progress=show_progress, activations=activations)
         speculative = SpeculativeConfig(spec=spec, spec_ngram_max=spec_ngram_max, spec_ngram_min=spec_ngram_min,
                                         draft_max=draft_max, draft_min=draft_min,
                                         model_draft=None if model_draft is None else os.fspath(model_draft),

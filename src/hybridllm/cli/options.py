@@ -55,6 +55,7 @@ KVThreshold = Annotated[float, typer.Option("--kv-threshold", help="Share (0-1] 
 Fuse = Annotated[bool, typer.Option("--fuse/--no-fuse", help="Stack q/k/v and gate/up into one projection each (fewer operator calls per token).", rich_help_panel=SPEED_PANEL)]
 NativeDecode = Annotated[bool, typer.Option("--native-decode/--no-native-decode", help="Decode host layers with the native C++ kernels (one call per token; built once with the host's C++ compiler).", rich_help_panel=SPEED_PANEL)]
 Compile = Annotated[bool, typer.Option("--compile/--no-compile", help="torch.compile the decode step's dense parts (compile time counts in the cold start).", rich_help_panel=SPEED_PANEL)]
+Activations = Annotated[str, typer.Option("--activations", help="How the native products round their inputs for the file's quantized types: exact (two int8 digits, logits within ~1e-6 of float32's) or int8 (one digit as llama.cpp rounds them, half the integer work: faster prefill, llama.cpp's fidelity or better).", rich_help_panel=SPEED_PANEL)]
 DecodeBackend = Annotated[str, typer.Option("--decode-backend", help="Decode step backend: auto (chosen from --native-decode and --compile), eager, compiled, native or cuda-graph (static KV, a CUDA graph per batch bucket; all on the device, dense KV).", rich_help_panel=SPEED_PANEL)]
 PrefixCacheRam = Annotated[str, typer.Option("--prefix-cache-ram", help="Host RAM for KV pages reused across requests (a prompt that repeats an earlier prefix prefills only the rest): a size such as 1GiB, auto (min(2 GiB, 10% of RAM)) or 0 (off).", rich_help_panel=PREFIX_PANEL)]
 PrefixCacheDisk = Annotated[Optional[Path], typer.Option("--prefix-cache-disk", help="Directory for the prefix cache's disk tier: pages pushed out of RAM are kept there and survive a restart (off by default).", rich_help_panel=PREFIX_PANEL)]
@@ -121,6 +122,7 @@ class SpeedOptions:
     native_decode: NativeDecode = True
     compile: Compile = False
     decode_backend: DecodeBackend = "auto"
+    activations: Activations = "exact"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +233,7 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
         ConfigError: a bad value (unknown KV strategy, dtype, device, weights mode ...).
     """
     from hybridllm.config import EngineConfig, KVConfig, PrefixCacheConfig, SpeculativeConfig, resolve_device
+    from hybridllm.kernels.native_linear import activation_digits
     from hybridllm.models.quantized import check_weights_mode
 
     kv_options = dataclasses.asdict(kv)
@@ -240,6 +243,7 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
                  ctx_size=model.ctx_size)
     if placement.weights is not None:
         check_weights_mode(placement.weights)
+    activation_digits(speed.activations)
     if placement.file is not None:
         kv_options = changed(kv)
     options = {
@@ -247,7 +251,7 @@ def llm_kwargs(model: ModelOptions, placement: PlacementOptions, kv: KVOptions, 
         "prefill_chunk": model.prefill_chunk, "ctx_size": model.ctx_size or None, "weights": placement.weights, "n_gpu_layers": placement.n_gpu_layers,
         "decode_on": placement.decode_on, "placement": placement.file, **kv_options,
         "fuse": speed.fuse, "native_decode": speed.native_decode, "compile": speed.compile,
-        "decode_backend": speed.decode_backend,
+        "decode_backend": speed.decode_backend, "activations": speed.activations,
     }
     if prefix is not None:
         PrefixCacheConfig.parse(prefix.prefix_cache_ram, prefix.prefix_cache_disk, prefix.prefix_cache_disk_size,

@@ -25,10 +25,11 @@ def model_identity(checkpoint: Any) -> str:
 
 
 def kv_format(runtime: Any) -> str:
-    """What makes two caches' stored numbers the same: weights as run, compute dtype, KV strategy
-    and its number formats."""
+    """What makes two caches' stored numbers the same: weights and activations as run, compute
+    dtype, KV strategy and its number formats."""
     kv = runtime.kv_config
-    return (f"weights={runtime.weights_format},dtype={runtime.engine_config.dtype},kv={kv.kv_cache},"
+    return (f"weights={runtime.weights_format},activations={runtime.activations},"
+            f"dtype={runtime.engine_config.dtype},kv={kv.kv_cache},"
             f"bits={kv.kv_bits},cold_bits={kv.kv_cold_bits},group={kv.kv_group_size},"
             f"key_quant={kv.kv_key_quant},kv_dtype={kv.kv_dtype}")
 

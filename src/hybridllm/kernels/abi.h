@@ -61,6 +61,7 @@ struct HLLinear {
   const void* weight;  // rows or tiles (qtypes.h)
   const void* scales;  // FORMAT_I8_ROWS: (N,) float32; else unused
   const float* bias;   // (N,) float32 when has_bias
+  int32_t activation_digits;  // tiled formats: int8 digits per input value, 2 (exact) or 1 (activations.h)
 };
 
 // One product whose output is several matrices' outputs side by side (q, k, v; gate, up): the

@@ -34,6 +34,11 @@ ACT_SILU, ACT_GELU_TANH = 0, 1  # abi.h's MlpActivation
 KV_DTYPES = {torch.float32: 0, torch.float16: 1}  # dense KV the kernels read as stored (abi.h's KVFormat F32, F16)
 MAX_HEAD_DIM = 512  # layer.h's rotary scratch
 MAX_GROUP = 16  # attention.h: query heads per KV head
+# activations.h: int8 digits per input value of the quantized products, by ``--activations`` name:
+# "exact" two (~15 bits; a model's logits within ~1e-6 nats of float32's), "int8" one (llama.cpp's
+# Q8_0 rounding, half the integer work)
+ACTIVATION_DIGITS = {"exact": 2, "int8": 1}
+EXACT_DIGITS = ACTIVATION_DIGITS["exact"]
 
 
 class HLLinear(ctypes.Structure):
@@ -45,6 +50,7 @@ class HLLinear(ctypes.Structure):
         ("weight", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
+        ("activation_digits", ctypes.c_int32),
     ]
 
 

@@ -8,6 +8,12 @@
 // sum of x (the min terms of asymmetric weights) and the integer sums of the digits over each
 // half of the group, 128 sum(q) + sum(q_low) (the offsets of weights stored as unsigned codes).
 // Every kernel computes the same exact integer dots from these (qtypes.h), on any CPU.
+//
+// With one digit (`--activations int8`) q_low is 0 and x ~= scale q per group, as llama.cpp's
+// Q8_0 activations (finer than its Q8_K's scale per 256); the group's sum is then the sum of those
+// values, scale sum(q), so the min terms of asymmetric weights see the same rounded inputs as the
+// dots (with the exact sum the rounding meets the codes' offset, not the weights: ~4x the KL).
+// The kernels skip the zero low digits' dots: half the integer work.
 
 #pragma once
 
@@ -23,6 +29,9 @@ namespace hl {
 // Input rows are stored in blocks of TILE_M (the rows of one AMX tile); rows past M are zeros
 // (their dots are 0, their scales and sums 0).
 constexpr int64_t TILE_M = 16;
+
+// int8 digits per input value: two (~15 bits, the default) or one (abi.h HLLinear.activation_digits).
+constexpr int32_t EXACT_DIGITS = 2;
 
 // One prepared input row.
 struct InputRow {
@@ -46,8 +55,9 @@ constexpr int64_t DIGIT_BYTES = 2 * GROUP;
 class InputRows {
  public:
   // Size the buffers for x (rows, k) and zero the padding rows.
-  void reset(const float* x, int64_t rows, int64_t k, bool tiles = false) {
+  void reset(const float* x, int64_t rows, int64_t k, bool tiles = false, int32_t digits = EXACT_DIGITS) {
     x_ = x;
+    digits_per_value_ = digits == 1 ? 1 : EXACT_DIGITS;
     rows_ = rows;
     padded_ = (rows + TILE_M - 1) / TILE_M * TILE_M;
     k_ = k;
@@ -74,12 +84,13 @@ class InputRows {
       for (int64_t block = r0 / TILE_M; block < (r1 + TILE_M - 1) / TILE_M; ++block) fill_tile_params(block);
   }
 
-  void prepare(const float* x, int64_t rows, int64_t k, bool tiles = false) {
-    reset(x, rows, k, tiles);
+  void prepare(const float* x, int64_t rows, int64_t k, bool tiles = false, int32_t digits = EXACT_DIGITS) {
+    reset(x, rows, k, tiles, digits);
     fill(0, rows);
   }
 
   int64_t rows() const { return rows_; }
+  bool one_digit() const { return digits_per_value_ == 1; }  // the low digits are all 0
   int64_t padded_rows() const { return padded_; }
   int64_t groups() const { return groups_; }
   InputRow row(int64_t i) const {
@@ -119,7 +130,7 @@ class InputRows {
       const float scaled = xg[j] * inverse;
       const float high = std::nearbyint(scaled);
       q[j] = static_cast<int8_t>(high);
-      q_low[j] = static_cast<int8_t>(std::nearbyint((scaled - high) * 128.0f));
+      q_low[j] = one_digit() ? 0 : static_cast<int8_t>(std::nearbyint((scaled - high) * 128.0f));
     }
     for (int half = 0; half < 2; ++half) {
       int32_t high_sum = 0, low_sum = 0;
@@ -129,6 +140,8 @@ class InputRows {
       }
       digit_sums_[at * 2 + half] = 128 * high_sum + low_sum;
     }
+    if (one_digit())  // the sum of the rounded values (see the top of this file)
+      sums_[at] = dot_scales_[at] * static_cast<float>(digit_sums_[at * 2] + digit_sums_[at * 2 + 1]);
   }
 
   // Where row r's group g digits lie: rows one after another, or (tiles) blocks of 16 rows per group.
@@ -154,6 +167,7 @@ class InputRows {
   int64_t rows_ = 0, padded_ = 0, k_ = 0, groups_ = 0;
   bool tiles_ = false;
   std::vector<float> sums_, dot_scales_, tile_params_;
+  int32_t digits_per_value_ = EXACT_DIGITS;
   std::vector<int32_t> digit_sums_;
   std::vector<int8_t> digits_;
 };

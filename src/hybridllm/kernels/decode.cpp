@@ -148,7 +148,7 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
 void hl_reference_linear(const HLLinear* w, const float* x, float* out, int64_t rows) {
   if (!is_tiled(w->format)) return hl_linear(w, x, out, rows, 1);
   InputRows acts;
-  acts.prepare(x, rows, w->in_features);
+  acts.prepare(x, rows, w->in_features, false, w->activation_digits);
   const TypeLayout t = layout_of(w->format);
   const int64_t n_tiles = w->in_features / t.super;
   const auto* row_scales = static_cast<const float*>(w->scales);

@@ -194,8 +194,9 @@ inline __m256i quads_dot(const __m256i* q, const int8_t* x, int16_t weight) {
   }
 }
 
-// out[m, 8h : 8h + 8) (the valid ones of n_valid) for input rows m0 .. m0 + MT - 1.
-template <int32_t F, int MT>
+// out[m, 8h : 8h + 8) (the valid ones of n_valid) for input rows m0 .. m0 + MT - 1; DIGITS: the
+// input rows' digits per value (1: acts.one_digit(), the zero low digits' dots skipped).
+template <int32_t F, int MT, int DIGITS = 2>
 void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, int64_t m0, float* out, int64_t n_out,
                 int n_valid, const float* row_scales) {
   constexpr TypeLayout T = layout_of(F);
@@ -224,14 +225,18 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, in
           const __m256 ds = _mm256_set1_ps(a[m].dot_scales[g]);
           // D = 128 (u . q) + u . q_low, less the offset: over inputs 0-15 and 16-31 (halves), or all 32.
           if constexpr (T.halves()) {
-            __m256i d_a = _mm256_add_epi32(quads_dot<F, 4>(q, hi, 128), quads_dot<F, 4>(q, lo, 1));
-            __m256i d_b = _mm256_add_epi32(quads_dot<F, 4>(q + 4, hi + 16, 128), quads_dot<F, 4>(q + 4, lo + 16, 1));
+            __m256i d_a = quads_dot<F, 4>(q, hi, 128), d_b = quads_dot<F, 4>(q + 4, hi + 16, 128);
+            if constexpr (DIGITS == 2) {
+              d_a = _mm256_add_epi32(d_a, quads_dot<F, 4>(q, lo, 1));
+              d_b = _mm256_add_epi32(d_b, quads_dot<F, 4>(q + 4, lo + 16, 1));
+            }
             d_a = _mm256_sub_epi32(d_a, _mm256_set1_epi32(OFFSET * sums[0]));
             d_b = _mm256_sub_epi32(d_b, _mm256_set1_epi32(OFFSET * sums[1]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_a), _mm256_mul_ps(scales.scale, ds), acc[m]);
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_b), _mm256_mul_ps(scales.scale_b, ds), acc[m]);
           } else {
-            __m256i d = _mm256_add_epi32(quads_dot<F, 8>(q, hi, 128), quads_dot<F, 8>(q, lo, 1));
+            __m256i d = quads_dot<F, 8>(q, hi, 128);
+            if constexpr (DIGITS == 2) d = _mm256_add_epi32(d, quads_dot<F, 8>(q, lo, 1));
             if constexpr (OFFSET != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(OFFSET * (sums[0] + sums[1])));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scales.scale, ds), acc[m]);
             if constexpr (T.has_min()) acc[m] = _mm256_fmadd_ps(scales.min, _mm256_set1_ps(a[m].sums[g]), acc[m]);

@@ -104,17 +104,25 @@ inline int32_t quad_bits(const int8_t* p) {
 }
 
 // A group's exact integer dots for one input row, one lane per weight row: (128 u.q + u.q_low) over
-// inputs 0-15 (a) and 16-31 (b), without the offset.
+// inputs 0-15 (a) and 16-31 (b), without the offset. DIGITS 1: q_low is all 0, its dots are skipped.
+template <int DIGITS = 2>
 inline void group_dots(const __m512i q[8], const int8_t* hi, const int8_t* lo, __m512i& a, __m512i& b) {
   __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;  // 4 chains: the adds are exact
   for (int i = 0; i < 4; ++i) {
     h0 = _mm512_dpbusd_epi32(h0, q[i], _mm512_set1_epi32(quad_bits(hi + 4 * i)));
     h1 = _mm512_dpbusd_epi32(h1, q[i + 4], _mm512_set1_epi32(quad_bits(hi + 16 + 4 * i)));
-    l0 = _mm512_dpbusd_epi32(l0, q[i], _mm512_set1_epi32(quad_bits(lo + 4 * i)));
-    l1 = _mm512_dpbusd_epi32(l1, q[i + 4], _mm512_set1_epi32(quad_bits(lo + 16 + 4 * i)));
+    if constexpr (DIGITS == 2) {
+      l0 = _mm512_dpbusd_epi32(l0, q[i], _mm512_set1_epi32(quad_bits(lo + 4 * i)));
+      l1 = _mm512_dpbusd_epi32(l1, q[i + 4], _mm512_set1_epi32(quad_bits(lo + 16 + 4 * i)));
+    }
   }
-  a = _mm512_add_epi32(_mm512_slli_epi32(h0, 7), l0);
-  b = _mm512_add_epi32(_mm512_slli_epi32(h1, 7), l1);
+  if constexpr (DIGITS == 2) {
+    a = _mm512_add_epi32(_mm512_slli_epi32(h0, 7), l0);
+    b = _mm512_add_epi32(_mm512_slli_epi32(h1, 7), l1);
+  } else {
+    a = _mm512_slli_epi32(h0, 7);
+    b = _mm512_slli_epi32(h1, 7);
+  }
 }
 
 // qtypes.h's float steps of one group for one input row, 16 weight rows per register, from the
@@ -141,8 +149,9 @@ __attribute__((always_inline)) inline __m512 float_steps(__m512 acc, __m512i d_a
 // Input rows per pass: 8 quads + 4 x 4 chains + MT accumulators of 32 registers.
 constexpr int ROWS_PER_PASS = 4;
 
-// out[m, 0:n_valid] for input rows m0 .. m0 + MT - 1 of one row block (`tiles`: its first tile).
-template <int32_t F, int MT>
+// out[m, 0:n_valid] for input rows m0 .. m0 + MT - 1 of one row block (`tiles`: its first tile);
+// DIGITS: the input rows' digits per value (1: acts.one_digit()).
+template <int32_t F, int MT, int DIGITS = 2>
 void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, int64_t m0, float* out, int64_t n_out,
                 int n_valid, const float* row_scales) {
   constexpr TypeLayout T = layout_of(F);
@@ -164,7 +173,7 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, in
       const Scales16 scales = group_scales<F>(tile, gi);
       for (int m = 0; m < MT; ++m) {
         __m512i d_a, d_b;
-        group_dots(q, a[m].high(g), a[m].low(g), d_a, d_b);
+        group_dots<DIGITS>(q, a[m].high(g), a[m].low(g), d_a, d_b);
         acc[m] = float_steps<F>(acc[m], d_a, d_b, scales, a[m].dot_scales[g], a[m].sums[g], a[m].digit_sums + 2 * g);
       }
     }

@@ -47,6 +47,12 @@ void tiled_block(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, f
 #if HL_AVX512_VNNI || HL_AVX2
   constexpr int PASS = isa::ROWS_PER_PASS;
   int64_t m = 0;
+  if (acts.one_digit()) {  // the same dots without the zero low digits
+    for (; m + PASS <= acts.rows(); m += PASS)
+      isa::tiled_rows<F, PASS, 1>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
+    for (; m < acts.rows(); ++m) isa::tiled_rows<F, 1, 1>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
+    return;
+  }
   for (; m + PASS <= acts.rows(); m += PASS) isa::tiled_rows<F, PASS>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
   for (; m < acts.rows(); ++m) isa::tiled_rows<F, 1>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
 #else
@@ -136,7 +142,9 @@ inline void linear_team(const Team& team, const HLProjection& p, const float* x,
                         InputRows* shared = nullptr) {
   thread_local InputRows own;
   bool quantized = false, tiles = false;
-  for (int32_t i = 0; i < p.n_parts; ++i) {
+  int32_t digits = EXACT_DIGITS;  // one preparation serves every part: the first quantized part's digits
+  for (int32_t i = p.n_parts - 1; i >= 0; --i) {
+    if (is_tiled(p.parts[i].format)) digits = p.parts[i].activation_digits;
     quantized |= is_tiled(p.parts[i].format);
     tiles |= tile_product(p.parts[i].format, rows);
   }
@@ -144,13 +152,13 @@ inline void linear_team(const Team& team, const HLProjection& p, const float* x,
   InputRows* acts = &own;
   if (quantized && shared != nullptr && rows >= SHARED_PREPARATION_ROWS) {
     acts = shared;
-    if (team.thread == 0) shared->reset(x, rows, k, tiles);
+    if (team.thread == 0) shared->reset(x, rows, k, tiles, digits);
     team.barrier();
     const Share blocks((rows + TILE_M - 1) / TILE_M, team);
     shared->fill(blocks.first * TILE_M, std::min(rows, blocks.last * TILE_M));
     team.barrier();
   } else if (quantized) {
-    own.prepare(x, rows, k, tiles);
+    own.prepare(x, rows, k, tiles, digits);
   }
   const int64_t n_out = projection_outputs(p);
   int64_t items = 0;

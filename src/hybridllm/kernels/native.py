@@ -54,6 +54,7 @@ from torch import nn
 from hybridllm.kernels.abi import (
     ACT_GELU_TANH,
     ACT_SILU,
+    EXACT_DIGITS,
     FLOAT_FORMATS,
     FORMAT_F32,
     FORMAT_Q4,
@@ -128,7 +129,7 @@ def float32_view(weight: torch.Tensor) -> LinearView:
     """A float32 (N, K) weight on the CPU, read in place (no bias)."""
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    return LinearView(HLLinear(FORMAT_F32, 0, n, k, weight.data_ptr(), 0, 0), [weight])
+    return LinearView(HLLinear(FORMAT_F32, 0, n, k, weight.data_ptr(), 0, 0, EXACT_DIGITS), [weight])
 
 
 _TORCH_FLOAT_FORMATS = {dtype: code for code, dtype in FLOAT_FORMATS.items()}
@@ -150,7 +151,8 @@ def linear_view(module: nn.Module) -> LinearView:
     if isinstance(module, nn.Linear) and module.weight.dtype in _TORCH_FLOAT_FORMATS:
         weight = module.weight.detach().contiguous()
         struct = HLLinear(_TORCH_FLOAT_FORMATS[weight.dtype], int(bias is not None), module.out_features,
-                          module.in_features, weight.data_ptr(), 0, 0 if bias is None else bias.data_ptr())
+                          module.in_features, weight.data_ptr(), 0, 0 if bias is None else bias.data_ptr(),
+                          EXACT_DIGITS)
         return LinearView(struct, [weight, *keep])
     raise ValueError(f"no native kernel for {type(module).__name__} ({getattr(module, 'weight', None)!r:.40})")
 

@@ -32,6 +32,8 @@ from torch import nn
 
 from hybridllm.errors import ConfigError
 from hybridllm.kernels.abi import (
+    ACTIVATION_DIGITS,
+    EXACT_DIGITS,
     FLOAT_FORMATS,
     FORMAT_I8_GROUPS,
     FORMAT_I8_ROWS,
@@ -57,6 +59,13 @@ from hybridllm.models.quantized import (
 
 ENGINE_FORMATS = {"I8_ROWS": FORMAT_I8_ROWS, "I8_GROUPS": FORMAT_I8_GROUPS}
 FORMAT_CODES = {**GGUF_FORMATS, **ENGINE_FORMATS}
+
+
+def activation_digits(mode: str) -> int:
+    """The int8 digits per input value of an ``--activations`` mode (ConfigError if unknown)."""
+    if mode not in ACTIVATION_DIGITS:
+        raise ConfigError(f"unknown activations mode {mode!r}; choose one of {', '.join(ACTIVATION_DIGITS)}")
+    return ACTIVATION_DIGITS[mode]
 
 
 def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -86,14 +95,21 @@ class NativeQuantLinear(PackedLinear):
 
     Buffers: ``weight`` (the tiles, uint8; or the (N, K) rows of a float format), ``row_scales``
     ((N,) float32, the engine's per-row int8 only). ``forward``: float32 products through
-    ``hl_linear`` (the decode steps' arithmetic for any number of rows). Lives on the CPU only.
+    ``hl_linear`` (the decode steps' arithmetic for any number of rows). ``activation_digits``:
+    the int8 digits each input value is rounded to (``ACTIVATION_DIGITS``; float formats ignore
+    it). Lives on the CPU only.
     """
 
     def __init__(self, format_name: str, in_features: int, out_features: int, weight: torch.Tensor,
-                 row_scales: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+                 row_scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 activation_digits: int = EXACT_DIGITS) -> None:
         super().__init__()
         if format_name not in FORMAT_CODES:
             raise ConfigError(f"no native kernel for weights of type {format_name}")
+        if activation_digits not in ACTIVATION_DIGITS.values():
+            raise ConfigError(f"activation digits must be one of {sorted(ACTIVATION_DIGITS.values())}, "
+                              f"not {activation_digits}")
+        self.activation_digits = activation_digits
         self.format_name, self.format_code = format_name, FORMAT_CODES[format_name]
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", weight, persistent=False)
@@ -111,8 +127,8 @@ class NativeQuantLinear(PackedLinear):
         return type_name in GGUF_FORMATS and in_features % SUPER_BLOCK[type_name] == 0
 
     @classmethod
-    def from_gguf(cls, type_name: str, rows: torch.Tensor, in_features: int,
-                  bias: torch.Tensor | None = None) -> NativeQuantLinear:
+    def from_gguf(cls, type_name: str, rows: torch.Tensor, in_features: int, bias: torch.Tensor | None = None,
+                  activation_digits: int = EXACT_DIGITS) -> NativeQuantLinear:
         """From a GGUF tensor's raw rows ((N, bytes per row) uint8, Q/K rows already in the model's
         order): tiles of the file's own blocks, or the float rows as they are."""
         if not cls.supports(type_name, in_features):
@@ -122,12 +138,12 @@ class NativeQuantLinear(PackedLinear):
         code = GGUF_FORMATS[type_name]
         if code in FLOAT_FORMATS:
             weight = rows.view(FLOAT_FORMATS[code]).reshape(n, in_features).clone()  # (N, K), its own memory
-            return cls(type_name, in_features, n, weight, None, bias)
+            return cls(type_name, in_features, n, weight, None, bias, activation_digits)
         library = kernels()
         tiles = torch.empty(library.hl_tiled_bytes(code, n, in_features), dtype=torch.uint8)
         if library.hl_pack_gguf(code, rows.data_ptr(), n, in_features, tiles.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"cannot hold {type_name} rows of {in_features} values natively")
-        return cls(type_name, in_features, n, tiles, None, bias)
+        return cls(type_name, in_features, n, tiles, None, bias, activation_digits)
 
     @classmethod
     def from_int8_rows(cls, codes: torch.Tensor, scales: torch.Tensor,
@@ -157,11 +173,12 @@ class NativeQuantLinear(PackedLinear):
 
     @classmethod
     def concat(cls, parts: list[nn.Module]) -> NativeQuantLinear | None:
-        """The parts stacked into one matrix (same format; tiled formats need whole 16-row tiles
-        in every part but the last), or None."""
+        """The parts stacked into one matrix (same format and activation digits; tiled formats need
+        whole 16-row tiles in every part but the last), or None."""
         first = parts[0]
         if any(not isinstance(p, NativeQuantLinear) or p.format_name != first.format_name
-               or p.in_features != first.in_features for p in parts):
+               or p.in_features != first.in_features or p.activation_digits != first.activation_digits
+               for p in parts):
             return None
         tiled = first.format_code not in FLOAT_FORMATS
         if tiled and any(p.out_features % Q4_ROWS for p in parts[:-1]):
@@ -171,14 +188,15 @@ class NativeQuantLinear(PackedLinear):
         biases = [p.bias for p in parts]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else torch.zeros(p.out_features) for b, p in zip(biases, parts)])
-        return cls(first.format_name, first.in_features, sum(p.out_features for p in parts), weight, row_scales, bias)
+        return cls(first.format_name, first.in_features, sum(p.out_features for p in parts), weight, row_scales, bias,
+                   first.activation_digits)
 
     # ---- computing -------------------------------------------------------------------------
     def struct(self, bias: torch.Tensor | None = None) -> HLLinear:
         """The kernels' description of this matrix (``bias``: its float32 bias, kept alive by the caller)."""
         return HLLinear(self.format_code, int(bias is not None), self.out_features, self.in_features,
                         self.weight.data_ptr(), 0 if self.row_scales is None else self.row_scales.data_ptr(),
-                        0 if bias is None else bias.data_ptr())
+                        0 if bias is None else bias.data_ptr(), self.activation_digits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = _float_bias(self.bias)
@@ -277,7 +295,7 @@ class NativeInt4Linear(Int4Linear):
 
     def struct(self, bias: torch.Tensor | None = None) -> HLLinear:
         return HLLinear(FORMAT_Q4, int(bias is not None), self.out_features, self.in_features,
-                        self.weight.data_ptr(), 0, 0 if bias is None else bias.data_ptr())
+                        self.weight.data_ptr(), 0, 0 if bias is None else bias.data_ptr(), EXACT_DIGITS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = _float_bias(self.bias)
@@ -344,21 +362,24 @@ class NativeHostLayout:
     """What the quantized loader builds host weights as when the native kernels run them
     (``hybridllm.loading.quantized_loader.HostLayout``): int4 as :class:`NativeInt4Linear`, and
     every GGUF type the kernels read in place as :class:`NativeQuantLinear` /
-    :class:`NativeQuantEmbedding` of the file's own blocks."""
+    :class:`NativeQuantEmbedding` of the file's own blocks, whose products round their inputs to
+    ``activation_digits`` int8 digits (``--activations``)."""
 
     int4_class: type[Int4Linear] = NativeInt4Linear
+    activation_digits: int = EXACT_DIGITS
 
     def holds(self, type_name: str, in_features: int) -> bool:
         return NativeQuantLinear.supports(type_name, in_features)
 
     def linear(self, type_name: str, rows: torch.Tensor, in_features: int) -> nn.Module:
-        return NativeQuantLinear.from_gguf(type_name, rows, in_features)
+        return NativeQuantLinear.from_gguf(type_name, rows, in_features, activation_digits=self.activation_digits)
 
     def embedding(self, type_name: str, rows: torch.Tensor, in_features: int, out_dtype: torch.dtype) -> nn.Module:
-        return NativeQuantEmbedding(NativeQuantLinear.from_gguf(type_name, rows, in_features), out_dtype)
+        table = NativeQuantLinear.from_gguf(type_name, rows, in_features, activation_digits=self.activation_digits)
+        return NativeQuantEmbedding(table, out_dtype)
 
 
 NATIVE_LAYOUT = NativeHostLayout()
 
-__all__ = ["NATIVE_LAYOUT", "NativeHostLayout", "NativeInt4Linear", "NativeQuantEmbedding", "NativeQuantLinear",
+__all__ = ["NATIVE_LAYOUT", "activation_digits", "NativeHostLayout", "NativeInt4Linear", "NativeQuantEmbedding", "NativeQuantLinear",
            "hold_natively", "native_module"]

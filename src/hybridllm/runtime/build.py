@@ -37,7 +37,7 @@ from hybridllm.loading.quantized_loader import release_load_scratch
 from hybridllm.kernels.abi import kernels
 from hybridllm.kernels.build import KernelBuildError
 from hybridllm.kernels.host_attention import HostPartialAttention
-from hybridllm.kernels.native_linear import NATIVE_LAYOUT, NativeHostLayout
+from hybridllm.kernels.native_linear import NATIVE_LAYOUT, NativeHostLayout, activation_digits
 from hybridllm.kvcache.registry import get_strategy
 from hybridllm.models.quantized import check_weights_mode, weights_format
 from hybridllm.placement.apply import (
@@ -66,11 +66,14 @@ class BuildOptions:
             matrices behind the same layout).
         decode_backend: "auto" or a registered backend name (``hybridllm.runtime.backends``).
         show_progress: progress bar while loading (None: on a terminal for large files).
+        activations: how the native products round their inputs for the file's quantized types:
+            "exact" (two int8 digits) or "int8" (one, half the integer work; ``ACTIVATION_DIGITS``).
     """
 
     fuse: bool = True
     decode_backend: str = AUTO
     show_progress: bool | None = None
+    activations: str = "exact"
 
 
 def resolve_decode_backend(decode_backend: str = AUTO, native_decode: bool = True, compile: bool = False) -> str:
@@ -128,13 +131,17 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     Raises:
         ConfigError: among others, a draft model whose vocabulary is not the model's.
     """
+    if activation_digits(options.activations) != NATIVE_LAYOUT.activation_digits and placement.weights != "auto":
+        raise ConfigError(f"--activations {options.activations} rounds the inputs of the file's own quantized "
+                          f"types; it needs --weights auto, not {placement.weights}")
     if engine_config.threads is not None:
         torch.set_num_threads(engine_config.threads)
     cold_start = ColdStart()
     devices = TierDevices(engine_config.torch_device)
     model = load_model(checkpoint, engine_config.torch_dtype, weight_device_for(placement, devices), cold_start,
                        options.show_progress, weights=placement.weights, fuse=options.fuse,
-                       host_layout=host_layout(choose_backend(options.decode_backend, placement, devices)))
+                       host_layout=host_layout(choose_backend(options.decode_backend, placement, devices),
+                                               options.activations))
     place_tied_head(model, placement, devices)
     runner = build_runner(model, placement, devices, options.decode_backend)
     cold_start.compile_s = runner.report.seconds
@@ -154,6 +161,7 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
         devices=devices, tokenizer=tokenizer, runner=runner, cold_start=cold_start,
         weight_bytes=weight_bytes_per_tier(model, placement), decode_weight_bytes=0,
         weights_format=weights_format(model), build_host_runner=build_host_runner, speculative=speculative,
+        activations=options.activations,
     )
     check_attention_options(placement.kv.kv_cache, runtime.kv_spec())  # one line now, not at the first request
     runtime.native_kv = native_kv(runtime)
@@ -240,18 +248,20 @@ def host_attention(device: torch.device, threads: int | None) -> HostPartialAtte
         return None
 
 
-def host_layout(backend: str) -> NativeHostLayout | None:
+def host_layout(backend: str, activations: str = "exact") -> NativeHostLayout | None:
     """How the host's weights load: in the native kernels' formats when the native backend runs
     and its kernels build (every GGUF type they read kept as the file stores it, int4 in their
-    tiles: the one copy prefill and decode read), else PyTorch's modules (None; ``build_runner``
-    then says why native decode is off)."""
+    tiles: the one copy prefill and decode read; their products' inputs rounded as
+    ``activations`` says), else PyTorch's modules (None; ``build_runner`` then says why native
+    decode is off)."""
     if backend != "native":
         return None
     try:
         kernels()
     except KernelBuildError:
         return None
-    return NATIVE_LAYOUT
+    digits = activation_digits(activations)
+    return NATIVE_LAYOUT if digits == NATIVE_LAYOUT.activation_digits else NativeHostLayout(activation_digits=digits)
 
 
 def warm_up(runtime: Runtime) -> None:

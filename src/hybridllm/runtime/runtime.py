@@ -46,6 +46,8 @@ class Runtime:
             device is another (the native kernels; None: PyTorch over the rows read out).
         speculative: speculative decoding's settings (``--spec``, ``--draft-max`` ...).
         draft: the draft model's runtime (``--model-draft``; same vocabulary), else None.
+        activations: how the native products round the inputs of the file's quantized types
+            (``--activations``: "exact" or "int8").
     """
 
     checkpoint: Any
@@ -64,6 +66,7 @@ class Runtime:
     host_attention: HostAttention | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     draft: Runtime | None = None
+    activations: str = "exact"
     _migration: PhaseMigration | None = field(default=None, repr=False)
 
     @property

@@ -24,6 +24,7 @@ def system_fingerprint(runtime: Any) -> str:
     described = {
         "version": __version__,
         "weights_format": str(runtime.weights_format),
+        "activations": str(runtime.activations),
         "dtype": str(engine.dtype),
         "device": str(engine.torch_device.type),
         "placement": dataclasses.asdict(runtime.placement),  # layer tiers, decode tier, the KV policy
