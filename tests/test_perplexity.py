@@ -111,6 +111,16 @@ def test_cli_float_weights_are_the_reference_itself(tiny_q4, tiny_text):
     assert "perplexity" in result.output and "delta                +0.000 %" in result.output
 
 
+def test_cli_int8_activations_are_measured_and_named(tiny_q4, tiny_text):
+    args = ["eval", "perplexity", "--model", str(tiny_q4), "--text", str(tiny_text), "--context", "64", "--json"]
+    exact = json.loads(runner.invoke(app, args).output.strip().splitlines()[-1])
+    result = runner.invoke(app, [*args, "--activations", "int8"])
+    assert result.exit_code == 0, result.output
+    one_digit = json.loads(result.output.strip().splitlines()[-1])
+    assert one_digit["measured"] == {**exact["measured"], "activations": "int8"}
+    assert one_digit["kl_divergence"] > 10 * exact["kl_divergence"] > 0
+
+
 @pytest.mark.slow
 def test_default_model_without_weight_flags_reports_its_q4_1_weights_delta():
     result = runner.invoke(app, ["eval", "perplexity", "--max-tokens", "256", "--json"])

@@ -330,3 +330,15 @@ def test_a_burst_reuses_the_pages_its_first_prompts_prefill(tiny_models, monkeyp
     assert all(c == PAGE_TOKENS for i, c in enumerate(cached) if i not in (0, 6))  # ...the others reused it
     assert calls and max(len(lengths) for lengths in calls) > 1  # chunks of several prompts in one call
     assert scheduler.prefix_cache.stats.hits == sum(cached)
+
+
+def test_the_activations_mode_keys_the_prefix_cache_and_the_fingerprint(shared_llm):
+    """Pages computed with one activation digit are never restored into an exact engine (nor the
+    other way round), and the server's system_fingerprint tells the two apart."""
+    from hybridllm.engine.prefix import kv_format
+    from hybridllm.server.fingerprint import system_fingerprint
+
+    exact, one_digit = shared_llm(), shared_llm(activations="int8")
+    assert exact.runtime.activations == "exact" and one_digit.runtime.activations == "int8"
+    assert "activations=exact" in kv_format(exact.runtime) and "activations=int8" in kv_format(one_digit.runtime)
+    assert system_fingerprint(exact.runtime) != system_fingerprint(one_digit.runtime)

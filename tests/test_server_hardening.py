@@ -443,10 +443,14 @@ def test_a_client_that_stops_reading_is_paused_yields_its_slot_and_is_given_up_o
     before = metrics(base)
     sock = raw_request(port, "/v1/chat/completions", long_chat(model, stream=True, logprobs=True, top_logprobs=20))
     try:
-        wait_for(lambda: sched.num_paused == 1, "the request paused")
+        # paused, its KV kept: the gauge and the counter say so. A busy machine may pause it more
+        # than once before its socket is full (the writer falls behind the loop, catches up to half
+        # the buffer, and the request resumes), so the counter grows by one or more.
+        wait_for(lambda: sched.num_paused == 1 and metrics(base)["hybridllm:num_requests_paused"] == 1,
+                 "the request paused")
         paused = metrics(base)
-        assert paused["hybridllm:num_requests_paused"] == 1 and paused['hybridllm:kv_cache_bytes{tier="device"}'] > 0
-        assert paused["hybridllm:stream_pauses_total"] == before["hybridllm:stream_pauses_total"] + 1
+        assert paused['hybridllm:kv_cache_bytes{tier="device"}'] > 0
+        assert paused["hybridllm:stream_pauses_total"] >= before["hybridllm:stream_pauses_total"] + 1
         tokens_at_pause = paused["hybridllm:generation_tokens_total"]
         # the paused request's slot serves others meanwhile (max_batch 2: two more run at once)
         replies = [httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": p, "max_tokens": 8},

@@ -14,6 +14,7 @@ import typer
 from hybridllm.cli.options import (
     KV_PANEL,
     PLACEMENT_PANEL,
+    Activations,
     Device,
     Dtype,
     KVOptions,
@@ -41,6 +42,7 @@ def perplexity(
     device: Device = "auto",
     threads: Threads = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    activations: Activations = "exact",
     kv: KVOptions = KVOptions(),
 ) -> None:
     """Perplexity of the model as generate and serve run it (default: --weights auto, the file's own
@@ -61,21 +63,24 @@ def perplexity(
         raise ConfigError(f"--context must be >= 2 and --chunk >= 1, got {context} and {chunk}")
     body = load_text(text)
     engine = ModelOptions(path=model, device=device, dtype=dtype, threads=threads)
-    llm = load_llm(engine, PlacementOptions(weights=weights), kv, SpeedOptions())
-    if is_reference_config(weights, dtype, dataclasses.asdict(kv)):
+    llm = load_llm(engine, PlacementOptions(weights=weights), kv, SpeedOptions(activations=activations))
+    if activations == SpeedOptions().activations and is_reference_config(weights, dtype, dataclasses.asdict(kv)):
         reference = llm
     else:
         reference = load_llm(dataclasses.replace(engine, dtype="float32"), PlacementOptions(weights="float"),
                              KVOptions(), SpeedOptions())
     ids = encode_text(llm, body, max_tokens)
     measured = {"weights": weights, "weights_format": llm.weights_format, "dtype": dtype, "kv_cache": kv.kv_cache}
+    if activations != SpeedOptions().activations:  # named only where not the default's exact products
+        measured["activations"] = activations
     baseline = {"weights": "float", "weights_format": reference.weights_format, "dtype": "float32",
                 "kv_cache": "dynamic"}
     setup = {"model": model_name(llm.checkpoint.path), "device": llm.engine_config.device,
              "text": str(text) if text is not None else "data/eval/" + DEFAULT_TEXT_NAME,
              "measured": measured, "reference": baseline}
     if not as_json:
-        served = weights == "auto" and dtype == ModelOptions().dtype and kv == KVOptions()
+        served = weights == "auto" and dtype == ModelOptions().dtype and kv == KVOptions() \
+            and activations == SpeedOptions().activations
         typer.echo(f"model      {setup['model']} on {setup['device']}, text {setup['text']}")
         typer.echo(f"measured   {describe_config(measured)}" + ("  (as generate and serve run it)" if served else ""))
         typer.echo(f"reference  {describe_config(baseline)}  (the same file's weights in float32"
@@ -97,8 +102,11 @@ def perplexity(
 
 
 def describe_config(config: dict[str, str]) -> str:
-    """``weights auto -> int4, float32 compute, dynamic KV``: a configuration as requested and as run."""
-    return f"weights {config['weights']} -> {config['weights_format']}, {config['dtype']} compute, {config['kv_cache']} KV"
+    """``weights auto -> int4, float32 compute, dynamic KV``: a configuration as requested and as run
+    (``, int8 activations`` where the products' inputs are not exact)."""
+    activations = config.get("activations", "exact")
+    return (f"weights {config['weights']} -> {config['weights_format']}, {config['dtype']} compute, "
+            f"{config['kv_cache']} KV" + ("" if activations == "exact" else f", {activations} activations"))
 
 
 @with_option_groups(own=("kv_cache", "weights"))

@@ -381,5 +381,5 @@ class NativeHostLayout:
 
 NATIVE_LAYOUT = NativeHostLayout()
 
-__all__ = ["NATIVE_LAYOUT", "activation_digits", "NativeHostLayout", "NativeInt4Linear", "NativeQuantEmbedding", "NativeQuantLinear",
-           "hold_natively", "native_module"]
+__all__ = ["NATIVE_LAYOUT", "NativeHostLayout", "NativeInt4Linear", "NativeQuantEmbedding", "NativeQuantLinear",
+           "activation_digits", "hold_natively", "native_module"]
