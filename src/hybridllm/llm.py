@@ -65,8 +65,8 @@ class LLM:
             the file's quantized types: "exact" (two int8 digits per value, ~15 bits: logits within
             ~1e-6 nats of float32's) or "int8" (one digit per value with a scale per 32, as
             llama.cpp's Q8_0 activations: half the integer work, so faster prefill; the KL from the
-            exact model about llama.cpp's on Q4_0/Q4_1 files, about half of it on K-quant ones). Every row still gets one arithmetic (chunked,
-            cached or batched alike).
+            exact model about llama.cpp's on Q4_0/Q4_1 files, about half of it on K-quant ones).
+            Every row still gets one arithmetic (chunked, cached or batched alike).
         ctx_size: llama.cpp's ``-c``: caps the context window (prompt + generated tokens) and
             sizes the KV to it; 0: the model's own window.
         prefix_cache_ram: host RAM for KV pages reused across requests (a size such as "1GiB",

@@ -57,7 +57,7 @@ class InputRows {
   // Size the buffers for x (rows, k) and zero the padding rows.
   void reset(const float* x, int64_t rows, int64_t k, bool tiles = false, int32_t digits = EXACT_DIGITS) {
     x_ = x;
-    digits_per_value_ = digits == 1 ? 1 : EXACT_DIGITS;
+    one_digit_ = digits == 1;
     rows_ = rows;
     padded_ = (rows + TILE_M - 1) / TILE_M * TILE_M;
     k_ = k;
@@ -90,7 +90,7 @@ class InputRows {
   }
 
   int64_t rows() const { return rows_; }
-  bool one_digit() const { return digits_per_value_ == 1; }  // the low digits are all 0
+  bool one_digit() const { return one_digit_; }  // the low digits are all 0
   int64_t padded_rows() const { return padded_; }
   int64_t groups() const { return groups_; }
   InputRow row(int64_t i) const {
@@ -167,7 +167,7 @@ class InputRows {
   int64_t rows_ = 0, padded_ = 0, k_ = 0, groups_ = 0;
   bool tiles_ = false;
   std::vector<float> sums_, dot_scales_, tile_params_;
-  int32_t digits_per_value_ = EXACT_DIGITS;
+  bool one_digit_ = false;  // HLLinear.activation_digits 1: q_low all 0
   std::vector<int32_t> digit_sums_;
   std::vector<int8_t> digits_;
 };

@@ -34,27 +34,36 @@ inline bool tile_product(int32_t format, int64_t rows) {
   return is_tiled(format) && rows >= AMX_MIN_ROWS && amx_usable();
 }
 
+#if HL_AVX512_VNNI
+namespace isa = avx512;
+#elif HL_AVX2
+namespace isa = avx2;
+#endif
+
+#if HL_AVX512_VNNI || HL_AVX2
+// Every input row of one row block by the build's vector kernel, in passes of ROWS_PER_PASS rows
+// and then one row at a time; DIGITS: the input rows' digits per value.
+template <int32_t F, int DIGITS>
+void tiled_passes(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out,
+                  int n_valid, const float* row_scales) {
+  constexpr int PASS = isa::ROWS_PER_PASS;
+  int64_t m = 0;
+  for (; m + PASS <= acts.rows(); m += PASS)
+    isa::tiled_rows<F, PASS, DIGITS>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
+  for (; m < acts.rows(); ++m) isa::tiled_rows<F, 1, DIGITS>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
+}
+#endif
+
 // One row block (16 weight rows from `n`, n_valid of them real) of tiled format F for every input
 // row, by the build's vector kernel (AMX tiles take whole passes of row blocks: tiled_range).
 template <int32_t F>
 void tiled_block(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int n_valid,
                  const float* row_scales) {
-#if HL_AVX512_VNNI
-  namespace isa = avx512;
-#elif HL_AVX2
-  namespace isa = avx2;
-#endif
 #if HL_AVX512_VNNI || HL_AVX2
-  constexpr int PASS = isa::ROWS_PER_PASS;
-  int64_t m = 0;
-  if (acts.one_digit()) {  // the same dots without the zero low digits
-    for (; m + PASS <= acts.rows(); m += PASS)
-      isa::tiled_rows<F, PASS, 1>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
-    for (; m < acts.rows(); ++m) isa::tiled_rows<F, 1, 1>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
-    return;
-  }
-  for (; m + PASS <= acts.rows(); m += PASS) isa::tiled_rows<F, PASS>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
-  for (; m < acts.rows(); ++m) isa::tiled_rows<F, 1>(tiles, n_tiles, acts, m, out, n_out, n_valid, row_scales);
+  if (acts.one_digit())  // the same dots without the zero low digits
+    tiled_passes<F, 1>(tiles, n_tiles, acts, out, n_out, n_valid, row_scales);
+  else
+    tiled_passes<F, EXACT_DIGITS>(tiles, n_tiles, acts, out, n_out, n_valid, row_scales);
 #else
   tiled_rows_reference(layout_of(F), tiles, n_tiles, acts, 0, acts.rows(), out, n_out, n_valid, row_scales);
 #endif

@@ -34,7 +34,7 @@ from hybridllm.errors import ConfigError
 from hybridllm.kvcache.factory import check_attention_options
 from hybridllm.loading.loader import load_model
 from hybridllm.loading.quantized_loader import release_load_scratch
-from hybridllm.kernels.abi import kernels
+from hybridllm.kernels.abi import EXACT_DIGITS, kernels
 from hybridllm.kernels.build import KernelBuildError
 from hybridllm.kernels.host_attention import HostPartialAttention
 from hybridllm.kernels.native_linear import NATIVE_LAYOUT, NativeHostLayout, activation_digits
@@ -131,7 +131,8 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     Raises:
         ConfigError: among others, a draft model whose vocabulary is not the model's.
     """
-    if activation_digits(options.activations) != NATIVE_LAYOUT.activation_digits and placement.weights != "auto":
+    digits = activation_digits(options.activations)
+    if digits != EXACT_DIGITS and placement.weights != "auto":
         raise ConfigError(f"--activations {options.activations} rounds the inputs of the file's own quantized "
                           f"types; it needs --weights auto, not {placement.weights}")
     if engine_config.threads is not None:
@@ -140,8 +141,7 @@ def build_runtime(checkpoint: Any, engine_config: EngineConfig, placement: Place
     devices = TierDevices(engine_config.torch_device)
     model = load_model(checkpoint, engine_config.torch_dtype, weight_device_for(placement, devices), cold_start,
                        options.show_progress, weights=placement.weights, fuse=options.fuse,
-                       host_layout=host_layout(choose_backend(options.decode_backend, placement, devices),
-                                               options.activations))
+                       host_layout=host_layout(choose_backend(options.decode_backend, placement, devices), digits))
     place_tied_head(model, placement, devices)
     runner = build_runner(model, placement, devices, options.decode_backend)
     cold_start.compile_s = runner.report.seconds
@@ -248,11 +248,11 @@ def host_attention(device: torch.device, threads: int | None) -> HostPartialAtte
         return None
 
 
-def host_layout(backend: str, activations: str = "exact") -> NativeHostLayout | None:
+def host_layout(backend: str, digits: int = EXACT_DIGITS) -> NativeHostLayout | None:
     """How the host's weights load: in the native kernels' formats when the native backend runs
     and its kernels build (every GGUF type they read kept as the file stores it, int4 in their
-    tiles: the one copy prefill and decode read; their products' inputs rounded as
-    ``activations`` says), else PyTorch's modules (None; ``build_runner`` then says why native
+    tiles: the one copy prefill and decode read; their products' inputs rounded to ``digits``
+    int8 digits per value), else PyTorch's modules (None; ``build_runner`` then says why native
     decode is off)."""
     if backend != "native":
         return None
@@ -260,7 +260,6 @@ def host_layout(backend: str, activations: str = "exact") -> NativeHostLayout | 
         kernels()
     except KernelBuildError:
         return None
-    digits = activation_digits(activations)
     return NATIVE_LAYOUT if digits == NATIVE_LAYOUT.activation_digits else NativeHostLayout(activation_digits=digits)
 
 
