@@ -34,7 +34,6 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
   }
   team.barrier();
   const int64_t all_items = parts.item_offsets[rows], per_item = parts.blocks_per_item;
-  const int64_t prefetch_bytes = decode_prefetch_bytes(group, d);
   const int64_t stride = static_cast<int64_t>(group);  // one block's max/sum entries
   for (int64_t item = team.claim(); item < all_items; item = team.claim()) {
     const int64_t r = std::upper_bound(parts.item_offsets.begin(), parts.item_offsets.begin() + rows, item) -
@@ -44,23 +43,22 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
     const int64_t items_per_head = (rb.count() + per_item - 1) / per_item;
     const int64_t local = item - parts.item_offsets[r];
     const int64_t head = local / items_per_head, chunk = local % items_per_head;
-    // Block b's keys and values (every store's part, in place); the next one's are built once,
-    // for its keys' prefetch while this one is attended, and carried over.
+    // Block b's keys and values (every store's part, in place). The readers ask for the rows
+    // ahead of the ones they read, the next block's first rows included; the item's first block's
+    // first rows are asked for here.
     const auto block_of = [&](int64_t b) {
       return block_kv(cache, head, rb.block_lo(b), RowBlocks::block_hi(b, cache.start));
     };
-    BlockKV kv = block_of(rb.first + chunk * per_item);
+    const BlockKV first = block_of(rb.first + chunk * per_item);
+    for (int n = 0; n < first.count; ++n)
+      for (bool keys : {true, false}) prefetch_run_start(first.runs[n], keys, d);
     for (int64_t i = chunk * per_item; i < std::min(rb.count(), (chunk + 1) * per_item); ++i) {
       const int64_t b = rb.first + i;
       const int64_t slot = parts.row_blocks[r] + head * rb.count() + i;  // (row, head, block)
       const Partial result{parts.max.data() + slot * stride, parts.sum.data() + slot * stride,
                            parts.out.data() + slot * stride * d};
-      const BlockKV next = b < rb.last ? block_of(b + 1) : BlockKV{};
-      for (int n = 0; n < next.count; ++n) prefetch_run(next.runs[n], true, d, false, prefetch_bytes);
-      for (int n = 0; n < kv.count; ++n) prefetch_run(kv.runs[n], false, d, true, prefetch_bytes);  // read after the scores
       scratch.reserve(group, d);
-      attend_queries(group, q + r * q_stride + head * group * d, kv, d, options, result, scratch);
-      kv = next;
+      attend_queries(group, q + r * q_stride + head * group * d, block_of(b), d, options, result, scratch);
     }
   }
   team.barrier();

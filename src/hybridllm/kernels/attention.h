@@ -89,17 +89,41 @@ inline void sum4(const f32xW v[4], float out[4]) {
 }
 
 // ---- reading stored rows --------------------------------------------------------------------
+// How far ahead of its reading a decode block asks for the rows it will read: about 4 KiB (at
+// least 4 rows). The kernels ask for row t + ahead as they read row t, a steady stream of
+// requests a fixed distance ahead; the rows past a run's end that it asks for are the next
+// block's (a head's rows are consecutive in their store). Measured on AMD Zen 5 at 8K against
+// asking for each block's runs at its start (docs/performance.md): 1.1-1.6x the decode kernel's
+// speed on the preset's head shapes; 2 or 8 KiB were no better.
+constexpr int64_t PREFETCH_AHEAD_BYTES = 4096;
+
+inline int64_t rows_ahead(int64_t row_bytes) { return std::max<int64_t>(4, PREFETCH_AHEAD_BYTES / row_bytes); }
+
+// Asks for `bytes` bytes from address `first` into the first-level cache; changes no value. An
+// integer address: the rows asked for may lie past the buffer's end (a prefetch never faults).
+// Always inlined into the loops that read: GCC drops a call to a function that only prefetches.
+__attribute__((always_inline)) inline void prefetch_bytes(uintptr_t first, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(reinterpret_cast<const void*>(first + offset), 0, 3);
+}
+
 // The kernels read one KV head's keys or values of a run of tokens through a reader:
 // vector(t, i) is row t's WLANES values from element i on (i and d multiples of WLANES),
-// value(t, i) one value; the same float32 bits either way. DenseRows: float32 as stored, float16
-// widened (exact). CodeRows: a quantized store's codes widened in registers, code * scale + zero
-// with one rounding (an FMA); nothing is written back to memory.
+// value(t, i) one value; the same float32 bits either way; prefetch(t) asks for row t + ahead
+// (ahead 0: asks for nothing, as for a prefill block's rows, read by many queries from the
+// cache). DenseRows: float32 as stored, float16 widened (exact). CodeRows: a quantized store's
+// codes widened in registers, code * scale + zero with one rounding (an FMA); nothing is written
+// back to memory.
 template <typename T>
 struct DenseRows {
   const T* rows;  // (n, d) from the run's first token
   int64_t d;
+  int64_t ahead = 0;  // rows
   f32xW vector(int64_t t, int64_t i) const { return load_wide(rows + t * d + i); }
   float value(int64_t t, int64_t i) const { return to_float(rows[t * d + i]); }
+  int64_t bytes_per_row() const { return d * static_cast<int64_t>(sizeof(T)); }
+  __attribute__((always_inline)) void prefetch(int64_t t) const {
+    if (ahead > 0) prefetch_bytes(reinterpret_cast<uintptr_t>(rows) + (t + ahead) * bytes_per_row(), bytes_per_row());
+  }
 };
 
 template <bool FOUR>
@@ -177,7 +201,9 @@ struct CodeRows {
   const int64_t* row_at;
   const int64_t* vector_scale;
   bool per_vector;
+  int64_t ahead = 0;  // rows
 
+  int64_t bytes_per_row() const { return row_bytes; }
   f32xW vector(int64_t t, int64_t i) const {
     const f32xW c = code_vector<FOUR>(codes + t * row_bytes, i);
     if (per_vector) {
@@ -189,6 +215,9 @@ struct CodeRows {
   float value(int64_t t, int64_t i) const {
     const int64_t at = row_at[t] + (per_vector ? vector_scale[i / WLANES] : i);
     return std::fma(kv_code_at<FOUR>(codes + t * row_bytes, i), scales[at], zeros[at]);
+  }
+  __attribute__((always_inline)) void prefetch(int64_t t) const {  // the codes (the scales sit in the scratch)
+    if (ahead > 0) prefetch_bytes(reinterpret_cast<uintptr_t>(codes) + (t + ahead) * row_bytes, row_bytes);
   }
 };
 
@@ -240,18 +269,23 @@ struct KVRun {
   int64_t head, row, n;
 };
 
-// visit(reader) with the reader of a run's keys or values (as its store holds them).
+// visit(reader) with the reader of a run's keys or values (as its store holds them); a store's
+// rows are asked for ahead of their reading, a block's gathered rows (no store) are not.
 template <typename Visit>
 inline void read_run(const KVRun& run, bool keys, int64_t d, ScaleScratch& work, Visit&& visit) {
   if (run.seg == nullptr) return visit(DenseRows<float>{keys ? run.keys : run.values, d});
   const HLKVSegment& seg = *run.seg;
   const int64_t at = (run.head * seg.capacity + run.row) * d;
+  const auto in_place = [&](auto rows) {
+    rows.ahead = rows_ahead(rows.bytes_per_row());
+    return visit(rows);
+  };
   switch (seg.format) {
-    case KV_F32: return visit(DenseRows<float>{static_cast<const float*>(keys ? seg.k : seg.v) + at, d});
-    case KV_F16: return visit(DenseRows<uint16_t>{static_cast<const uint16_t*>(keys ? seg.k : seg.v) + at, d});
+    case KV_F32: return in_place(DenseRows<float>{static_cast<const float*>(keys ? seg.k : seg.v) + at, d});
+    case KV_F16: return in_place(DenseRows<uint16_t>{static_cast<const uint16_t*>(keys ? seg.k : seg.v) + at, d});
     case KV_Q4:
-    case KV_Q4_CHANNEL_KEYS: return visit(code_rows<true>(seg, keys, run.head, run.row, run.n, d, work));
-    default: return visit(code_rows<false>(seg, keys, run.head, run.row, run.n, d, work));
+    case KV_Q4_CHANNEL_KEYS: return in_place(code_rows<true>(seg, keys, run.head, run.row, run.n, d, work));
+    default: return in_place(code_rows<false>(seg, keys, run.head, run.row, run.n, d, work));
   }
 }
 
@@ -284,7 +318,10 @@ inline void score_four(const float* q, const Keys& keys, int64_t t, int valid, f
 template <int VECS, int G, typename Keys>
 void scores_fixed(const float* q, const Keys& keys, int64_t n, float scale, float* scores, int64_t stride) {
   int64_t t = 0;
-  for (; t + 4 <= n; t += 4) score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
+  for (; t + 4 <= n; t += 4) {
+    for (int j = 0; j < 4; ++j) keys.prefetch(t + j);
+    score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
+  }
   if (t < n) score_four<VECS, G, false>(q, keys, t, static_cast<int>(n - t), scale, scores, stride);
 }
 
@@ -331,6 +368,7 @@ void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t s
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < VECS; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * i);
     for (int64_t t = 0; t < n; ++t) {
+      values.prefetch(t);
       f32xW weight[G];
       for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
       for (int i = 0; i < VECS; ++i) {
@@ -347,6 +385,7 @@ void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t s
       for (int g = 0; g < G; ++g)
         for (int i = 0; i < SPAN; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * (i0 + i));
       for (int64_t t = 0; t < n; ++t) {
+        if (i0 == 0) values.prefetch(t);  // the first span reads each row first
         f32xW weight[G];
         for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
         for (int i = 0; i < SPAN; ++i) {
@@ -424,29 +463,16 @@ struct BlockKV {
   int count;
 };
 
-// Asks for the first `bytes` of a dense run's keys or values (float32 or float16 rows) ahead of
-// their reading, into the first-level cache (`into_l1`) or the second; quantized runs are left to
-// the hardware. Changes no value (decode_prefetch_bytes says how much a decode block asks for). Not inlined
-// and not analysed across calls (GCC's noipa): GCC 12 takes a function that only prefetches for one
-// without effects and drops its inlined loop or its calls altogether.
-#if defined(__clang__)
-#define HL_KEEP_PREFETCHES __attribute__((noinline))
-#else
-#define HL_KEEP_PREFETCHES __attribute__((noipa))
-#endif
-HL_KEEP_PREFETCHES inline void prefetch_run(const KVRun& run, bool keys, int64_t d, bool into_l1, int64_t bytes) {
+// Asks for the first rows a reader of the run would ask for ahead of its first row (a decode
+// item's first block, whose rows no earlier block asked for): its first PREFETCH_AHEAD_BYTES of
+// keys or values. Dense runs (float32, float16) only; quantized runs are left to the hardware.
+inline void prefetch_run_start(const KVRun& run, bool keys, int64_t d) {
   if (run.seg == nullptr || (run.seg->format != KV_F32 && run.seg->format != KV_F16)) return;
   const int64_t size = run.seg->format == KV_F32 ? 4 : 2;
-  const char* first = static_cast<const char*>(keys ? run.seg->k : run.seg->v) +
-                      (run.head * run.seg->capacity + run.row) * d * size;
-  for (int64_t offset = 0; offset < std::min(bytes, run.n * d * size); offset += 64) {
-    if (into_l1)
-      __builtin_prefetch(first + offset, 0, 3);
-    else
-      __builtin_prefetch(first + offset, 0, 2);
-  }
+  const auto first = reinterpret_cast<uintptr_t>(keys ? run.seg->k : run.seg->v) +
+                     (run.head * run.seg->capacity + run.row) * d * size;
+  prefetch_bytes(first, std::min(PREFETCH_AHEAD_BYTES, run.n * d * size));
 }
-#undef HL_KEEP_PREFETCHES
 
 // Every store's part of [lo, hi), read in place.
 inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi) {
@@ -463,6 +489,7 @@ inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int
 template <typename Reader>
 inline void gather_rows(const Reader& rows, int64_t n, int64_t d, float* out) {
   for (int64_t t = 0; t < n; ++t) {
+    rows.prefetch(t);
     int64_t i = 0;
     for (; i + WLANES <= d && d % WLANES == 0; i += WLANES) store(out + t * d + i, rows.vector(t, i));
     for (; i < d; ++i) out[t * d + i] = rows.value(t, i);
@@ -611,26 +638,6 @@ struct RowBlocks {
 };
 
 // ---- decode rows ----------------------------------------------------------------------------
-// How much of each run of keys or values a decode block asks for ahead of its reading
-// (prefetch_run): its keys a block ahead, its values before its scores. A block reads its keys, then
-// its values, then the next block's keys, each a stream the hardware prefetcher only starts on
-// when it is first touched, so the bus would idle through the arithmetic between them. On Intel
-// (Sapphire Rapids, docs/performance.md) asking for the whole run pays: without it the Qwen3-shaped
-// kernel read 14 GB/s, with it 16.5. On AMD (Zen 5) the requests for a whole run stall the
-// arithmetic behind them unless it is long enough to cover them: there a block asks for its runs'
-// first 512 bytes only (the hardware streams the rest) where a key's arithmetic, group x d
-// multiply-adds per phase, is under 512; measured over the preset's six head shapes at 8K, that is
-// 3-20% faster at group x d <= 448 and 12-15% slower at 512 and 1024 (docs/performance.md).
-inline int64_t decode_prefetch_bytes(int group, int64_t d) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  __builtin_cpu_init();
-  const bool amd = __builtin_cpu_is("amd");
-#else
-  const bool amd = false;
-#endif
-  return amd && group * d < 512 ? 512 : INT64_MAX;
-}
-
 // A decode call's blocks per item: long runs of consecutive blocks (one KV head's keys and values
 // read as long streams, which the hardware prefetcher keeps ahead of), yet about 8 items per
 // thread for the claiming to even out. The items only share the work out: a row's blocks and
