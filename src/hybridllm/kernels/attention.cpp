@@ -44,14 +44,11 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
     const int64_t local = item - parts.item_offsets[r];
     const int64_t head = local / items_per_head, chunk = local % items_per_head;
     // Block b's keys and values (every store's part, in place). The readers ask for the rows
-    // ahead of the ones they read, the next block's first rows included; the item's first block's
-    // first rows are asked for here.
+    // ahead of the ones they read, the next block's first rows included; an item's first rows are
+    // left to the hardware (asking for every block's first 4 KiB as well measured no faster).
     const auto block_of = [&](int64_t b) {
       return block_kv(cache, head, rb.block_lo(b), RowBlocks::block_hi(b, cache.start));
     };
-    const BlockKV first = block_of(rb.first + chunk * per_item);
-    for (int n = 0; n < first.count; ++n)
-      for (bool keys : {true, false}) prefetch_run_start(first.runs[n], keys, d);
     for (int64_t i = chunk * per_item; i < std::min(rb.count(), (chunk + 1) * per_item); ++i) {
       const int64_t b = rb.first + i;
       const int64_t slot = parts.row_blocks[r] + head * rb.count() + i;  // (row, head, block)

@@ -94,7 +94,7 @@ inline void sum4(const f32xW v[4], float out[4]) {
 // requests a fixed distance ahead; the rows past a run's end that it asks for are the next
 // block's (a head's rows are consecutive in their store). Measured on AMD Zen 5 at 8K against
 // asking for each block's runs at its start (docs/performance.md): 1.1-1.6x the decode kernel's
-// speed on the preset's head shapes; 2 or 8 KiB were no better.
+// speed on the preset's head shapes; 2 KiB was slower, 8 KiB alike.
 constexpr int64_t PREFETCH_AHEAD_BYTES = 4096;
 
 inline int64_t rows_ahead(int64_t row_bytes) { return std::max<int64_t>(4, PREFETCH_AHEAD_BYTES / row_bytes); }
@@ -462,17 +462,6 @@ struct BlockKV {
   KVRun runs[MAX_KV_SEGMENTS];
   int count;
 };
-
-// Asks for the first rows a reader of the run would ask for ahead of its first row (a decode
-// item's first block, whose rows no earlier block asked for): its first PREFETCH_AHEAD_BYTES of
-// keys or values. Dense runs (float32, float16) only; quantized runs are left to the hardware.
-inline void prefetch_run_start(const KVRun& run, bool keys, int64_t d) {
-  if (run.seg == nullptr || (run.seg->format != KV_F32 && run.seg->format != KV_F16)) return;
-  const int64_t size = run.seg->format == KV_F32 ? 4 : 2;
-  const auto first = reinterpret_cast<uintptr_t>(keys ? run.seg->k : run.seg->v) +
-                     (run.head * run.seg->capacity + run.row) * d * size;
-  prefetch_bytes(first, std::min(PREFETCH_AHEAD_BYTES, run.n * d * size));
-}
 
 // Every store's part of [lo, hi), read in place.
 inline BlockKV block_kv(const HLLayerCache& cache, int64_t head, int64_t lo, int64_t hi) {
