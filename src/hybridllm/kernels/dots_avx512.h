@@ -37,6 +37,26 @@ inline void unpack_quads(const uint8_t* codes, __m512i q[8]) {
       const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
       for (int i = 0; i < 8; ++i) q[i] = _mm512_shuffle_epi8(lut, q[i]);
     }
+#if defined(__GFNI__)
+    if constexpr (planes > 0) {
+      // Quad i's high bits are bit i of each plane byte, placed at bit 4 (plane 0) and 5 (plane 1).
+      // Quads 4h .. 4h + 3: one byte gathers their bits, plane 0's in bits 0-3 and plane 1's in 4-7
+      // (a bitwise select of the planes shifted by 16-bit lanes: no bit crosses into a kept one),
+      // then one affine bit transform per quad moves its two bits into place.
+      const __m512i low_bits = _mm512_set1_epi8(0x0F);
+      const __m512i plane0 = _mm512_loadu_si512(codes);
+      const __m512i plane1 = planes == 2 ? _mm512_loadu_si512(codes + PLANE_BYTES) : _mm512_setzero_si512();
+      const __m512i gathered[2] = {
+          _mm512_ternarylogic_epi32(plane0, _mm512_slli_epi16(plane1, 4), low_bits, 0xE4),  // c ? a : b
+          _mm512_ternarylogic_epi32(_mm512_srli_epi16(plane0, 4), plane1, low_bits, 0xE4)};
+      for (int i = 0; i < 8; ++i) {
+        const int k = i % 4;  // output bit r takes the matrix's byte 7 - r
+        const uint64_t matrix = (uint64_t{1} << k) << 24 | (planes == 2 ? (uint64_t{1} << (4 + k)) << 16 : 0);
+        const __m512i high = _mm512_gf2p8affine_epi64_epi8(gathered[i / 4], _mm512_set1_epi64(static_cast<int64_t>(matrix)), 0);
+        q[i] = _mm512_or_si512(q[i], high);
+      }
+    }
+#else
     for (int p = 0; p < planes; ++p) {
       const __m512i plane = _mm512_loadu_si512(codes + p * PLANE_BYTES);
       const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
@@ -45,6 +65,7 @@ inline void unpack_quads(const uint8_t* codes, __m512i q[8]) {
         q[i] = _mm512_mask_add_epi8(q[i], set, q[i], bit);
       }
     }
+#endif
   }
 }
 
