@@ -65,28 +65,59 @@ inline void softcap_scores(float* s, int64_t n, float cap) {
   for (; t < n; ++t) s[t] = tanh_clamped(s[t] * inverse) * cap;
 }
 
-// The horizontal sums of four vectors (out[j] of v[j] only), in a fixed order: a transposing reduction.
-inline void sum4(const f32xW v[4], float out[4]) {
+// The horizontal sums of four vectors (out[j] of v[j] only), in a fixed order: a transposing
+// reduction in two stages. Per 128-bit chunk c of v[j] (lanes 4c .. 4c + 3):
+//   chunk_c = (v[4c] + v[4c + 2]) + (v[4c + 1] + v[4c + 3])     (sum4_chunks: lane 4c + j of x)
+// then across the chunks: (chunk_0 + chunk_2) + (chunk_1 + chunk_3) on AVX-512, chunk_0 + chunk_1 on
+// AVX2 (sum4, or on AVX-512 sum_keys for 16 keys at once: the same additions, so the same bits).
+inline f32xW sum4_chunks(const f32xW v[4]) {
 #if defined(__AVX512F__)
-  __m512 a, b, c, d;
-  std::memcpy(&a, &v[0], 64), std::memcpy(&b, &v[1], 64), std::memcpy(&c, &v[2], 64), std::memcpy(&d, &v[3], 64);
+  const __m512 a = load<__m512>(&v[0]), b = load<__m512>(&v[1]), c = load<__m512>(&v[2]), d = load<__m512>(&v[3]);
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a b a b
   const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // per 128 bits: a b c d
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
-  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
-  _mm_storeu_ps(out, _mm512_castps512_ps128(x));
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));  // a b c d
+  return load<f32xW>(&x);
 #elif defined(__AVX__)
-  __m256 a, b, c, d;
-  std::memcpy(&a, &v[0], 32), std::memcpy(&b, &v[1], 32), std::memcpy(&c, &v[2], 32), std::memcpy(&d, &v[3], 32);
+  const __m256 a = load<__m256>(&v[0]), b = load<__m256>(&v[1]), c = load<__m256>(&v[2]), d = load<__m256>(&v[3]);
   const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
   const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
   const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
+  return load<f32xW>(&x);
+#else
+  return f32xW{};  // unused: sum4 adds each vector's lanes itself
+#endif
+}
+
+inline void sum4(const f32xW v[4], float out[4]) {
+#if defined(__AVX512F__)
+  const f32xW chunks = sum4_chunks(v);
+  __m512 x = load<__m512>(&chunks);
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));  // chunks 0 + 2, 1 + 3
+  x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));  // then their sum
+  _mm_storeu_ps(out, _mm512_castps512_ps128(x));
+#elif defined(__AVX__)
+  const f32xW chunks = sum4_chunks(v);
+  const __m256 x = load<__m256>(&chunks);
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
 #else
   for (int j = 0; j < 4; ++j) out[j] = sum_wide(v[j]);
 #endif
 }
+
+#if defined(__AVX512F__)
+// Sixteen keys' sums at once: x[k] = sum4_chunks of keys 4k .. 4k + 3 -> out[4k + j] = scale * the
+// key's sum (sum4's additions, the four quads' chunks transposed together; AVX-512 only, where
+// it measured faster).
+inline void sum_keys(const f32xW x[4], float scale, float* out) {
+  const __m512 x0 = load<__m512>(&x[0]), x1 = load<__m512>(&x[1]), x2 = load<__m512>(&x[2]), x3 = load<__m512>(&x[3]);
+  // per pair of quads: chunks (0 + 2, 1 + 3) of each
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44), _mm512_shuffle_f32x4(x0, x1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x44), _mm512_shuffle_f32x4(x2, x3, 0xEE));
+  // quad k's (0 + 2) + (1 + 3) in chunk k
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  _mm512_storeu_ps(out, _mm512_mul_ps(sums, _mm512_set1_ps(scale)));
+}
+#endif
 
 // ---- reading stored rows --------------------------------------------------------------------
 // How far ahead of its reading a decode block asks for the rows it will read: about 4 KiB (at
@@ -293,21 +324,32 @@ inline void read_run(const KVRun& run, bool keys, int64_t d, ScaleScratch& work,
 // scores[g * stride + t] = scale * q_g . key_t for G queries (q: G x d) and n keys (a reader's
 // rows). d a multiple of WLANES: keys four at a time (each key vector read once for every
 // query), the missing ones of the last four zeros (a key's dot does not depend on its
-// neighbours); per key a dot in WLANES lanes (FMAs in order over d), then sum4's reduction. Else
-// one key at a time, plain FMAs in order.
+// neighbours); per key a dot in WLANES lanes (FMAs in order over d), then sum4's reduction
+// (WLANES keys' worth of quads finished together by sum_keys). Else one key at a time, plain FMAs
+// in order.
 template <int VECS, int G, bool FULL, typename Keys>
-inline void score_four(const float* q, const Keys& keys, int64_t t, int valid, float scale, float* scores,
-                       int64_t stride) {
+inline void quad_dots(const float* q, const Keys& keys, int64_t t, int valid, f32xW dots[G][4]) {
   constexpr int64_t D = VECS * WLANES;
-  f32xW dots[G][4] = {};
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) dots[g][j] = f32xW{};
   for (int i = 0; i < VECS; ++i) {
     f32xW k[4];
     for (int j = 0; j < 4; ++j) k[j] = (FULL || j < valid) ? keys.vector(t + j, i * WLANES) : f32xW{};
     for (int g = 0; g < G; ++g) {
-      const f32xW qv = load_wide(q + g * D + i * WLANES);
+      f32xW qv = load_wide(q + g * D + i * WLANES);
+#if defined(__AVX512F__)  // one load for the four keys (GCC would fold it into each FMA: 28 loads per 24 FMAs)
+      asm("" : "+v"(qv));
+#endif
       for (int j = 0; j < 4; ++j) dots[g][j] = fma_wide(qv, k[j], dots[g][j]);
     }
   }
+}
+
+template <int VECS, int G, bool FULL, typename Keys>
+inline void score_four(const float* q, const Keys& keys, int64_t t, int valid, float scale, float* scores,
+                       int64_t stride) {
+  f32xW dots[G][4];
+  quad_dots<VECS, G, FULL>(q, keys, t, valid, dots);
   for (int g = 0; g < G; ++g) {
     float sums[4];
     sum4(dots[g], sums);
@@ -315,9 +357,29 @@ inline void score_four(const float* q, const Keys& keys, int64_t t, int valid, f
   }
 }
 
+#if defined(__AVX512F__)
+// keys t .. t + 15: their quads' chunk sums kept, then finished together
+template <int VECS, int G, typename Keys>
+inline void score_wide(const float* q, const Keys& keys, int64_t t, float scale, float* scores, int64_t stride) {
+  f32xW chunks[G][4];
+#pragma GCC unroll 1  // one quad's code, looped (four copies of a long quad body measured slower at d = 128)
+  for (int k = 0; k < 4; ++k) {
+    const int64_t at = t + 4 * k;
+    for (int j = 0; j < 4; ++j) keys.prefetch(at + j);
+    f32xW dots[G][4];
+    quad_dots<VECS, G, true>(q, keys, at, 4, dots);
+    for (int g = 0; g < G; ++g) chunks[g][k] = sum4_chunks(dots[g]);
+  }
+  for (int g = 0; g < G; ++g) sum_keys(chunks[g], scale, scores + g * stride + t);
+}
+#endif
+
 template <int VECS, int G, typename Keys>
 void scores_fixed(const float* q, const Keys& keys, int64_t n, float scale, float* scores, int64_t stride) {
   int64_t t = 0;
+#if defined(__AVX512F__)
+  for (; t + WLANES <= n; t += WLANES) score_wide<VECS, G>(q, keys, t, scale, scores, stride);
+#endif
   for (; t + 4 <= n; t += 4) {
     for (int j = 0; j < 4; ++j) keys.prefetch(t + j);
     score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
@@ -421,21 +483,27 @@ void accumulate_values(const Values& values, int64_t n, int64_t d, const float* 
       for (int64_t i = 0; i < d; ++i) acc[g * d + i] = std::fma(p[g * stride + t], values.value(t, i), acc[g * d + i]);
 }
 
-// s[t] = exp(s[t] - shift) for t < n; returns their sum (lanes by index, then the tail).
-inline float exp_shifted(float* s, int64_t n, float shift) {
-  f32xW sums = {};
+// For each of G rows of scores (row g at s + g * stride, n each): s[t] = exp(s[t] - shift[g]) for
+// t < n, and sum[g] = their sum (lanes by index, then the tail one by one). The G rows' vectors
+// interleaved: each exp is a chain of dependent steps, and G of them overlap.
+template <int G>
+inline void exp_shifted(float* s, int64_t stride, int64_t n, const float* shift, float* sum) {
+  f32xW sums[G] = {};
   int64_t t = 0;
-  for (; t + WLANES <= n; t += WLANES) {
-    const f32xW e = exp_vector(load<f32xW>(s + t) - shift);
-    store(s + t, e);
-    sums += e;
+  for (; t + WLANES <= n; t += WLANES)
+    for (int g = 0; g < G; ++g) {
+      const f32xW e = exp_vector(load<f32xW>(s + g * stride + t) - shift[g]);
+      store(s + g * stride + t, e);
+      sums[g] += e;
+    }
+  for (int g = 0; g < G; ++g) {
+    sum[g] = sum_wide(sums[g]);
+    for (int64_t i = t; i < n; ++i) {
+      float& x = s[g * stride + i];
+      x = exp_clamped(x - shift[g]);
+      sum[g] += x;
+    }
   }
-  float sum = sum_wide(sums);
-  for (; t < n; ++t) {
-    s[t] = exp_clamped(s[t] - shift);
-    sum += s[t];
-  }
-  return sum;
 }
 
 // ---- one block of one row ---------------------------------------------------------------------
@@ -507,16 +575,27 @@ inline KVRun gathered_kv(const HLLayerCache& cache, int64_t head, int64_t lo, in
   return {nullptr, scratch.keys.data(), scratch.values.data(), head, 0, hi - lo};
 }
 
-// max of s[0 .. n) (exact in any order).
+// max of s[0 .. n) (exact in any order): WLANES lanes, folded in registers.
 inline float block_max(const float* s, int64_t n) {
-  f32xL best = f32xL{} - INFINITY;
+  f32xW best = f32xW{} - INFINITY;
   int64_t t = 0;
-  for (; t + LANES <= n; t += LANES) {
-    const f32xL x = load<f32xL>(s + t);
+  for (; t + WLANES <= n; t += WLANES) {
+    const f32xW x = load<f32xW>(s + t);
     best = best > x ? best : x;
   }
-  float m = -INFINITY;
-  for (int i = 0; i < LANES; ++i) m = std::max(m, best[i]);
+#if defined(__AVX512F__)
+  const __m512 all = load<__m512>(&best);
+  const __m256 wide = _mm256_max_ps(_mm512_castps512_ps256(all),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1)));
+  const f32xL eight = load<f32xL>(&wide);
+#else
+  const f32xL eight = best;
+#endif
+  f32x4 low, high;
+  std::memcpy(&low, &eight, 16);
+  std::memcpy(&high, reinterpret_cast<const char*>(&eight) + 16, 16);
+  const f32x4 four = low > high ? low : high;
+  float m = std::max(std::max(four[0], four[2]), std::max(four[1], four[3]));
   for (; t < n; ++t) m = std::max(m, s[t]);
   return m;
 }
@@ -540,8 +619,8 @@ void attend_rows(const float* q, const BlockKV& kv, int64_t d, const ScoreOption
     float* s = scores + g * KEY_BLOCK;
     if (options.softcap > 0.0f) softcap_scores(s, n, options.softcap);
     out.m[g] = block_max(s, n);
-    out.l[g] = exp_shifted(s, n, out.m[g]);
   }
+  exp_shifted<G>(scores, KEY_BLOCK, n, out.m, out.l);
   if (kv.count == 0) std::fill(out.o, out.o + G * d, 0.0f);
   int64_t at = 0;
   for (int r = 0; r < kv.count; ++r) {

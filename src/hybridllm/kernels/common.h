@@ -111,12 +111,17 @@ inline float sum_in_order(f32xL v) {
   return s;
 }
 
+// The lanes of v summed by halving: lane i + lane i + WLANES / 2, ... down to one (sum_lanes' order
+// for the last eight), in registers (a loop over a stack copy stalls on its store forwarding).
 inline float sum_wide(f32xW v) {
-  float s[WLANES];
-  std::memcpy(s, &v, sizeof v);
-  for (int width = WLANES / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) s[i] += s[i + width];
-  return s[0];
+#if defined(__AVX512F__)
+  const __m512 all = load<__m512>(&v);
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(all),  // lanes 0-7 + lanes 8-15
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1)));
+  return sum_lanes(load<f32xL>(&half));
+#else
+  return sum_lanes(v);
+#endif
 }
 
 // exp(x) on every lane of a float vector V: Cephes' single-precision polynomial (relative error
