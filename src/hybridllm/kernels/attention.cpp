@@ -114,8 +114,11 @@ void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, 
       if (local < count) break;
       local -= count;
     }
+    // A segment's items head by head (one KV head's rows stay in the cache from item to item), each
+    // head's last positions first (they see the most blocks: the long items are claimed early)
     const HLLayerCache& cache = caches[s];
-    const int64_t head = local % n_kv_heads, r0 = offsets[s] + local / n_kv_heads * QUERY_ROWS;
+    const int64_t chunks = (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS;
+    const int64_t head = local / chunks, r0 = offsets[s] + (chunks - 1 - local % chunks) * QUERY_ROWS;
     const int64_t r1 = std::min(offsets[s + 1], r0 + QUERY_ROWS);
     auto position = [&](int64_t r) { return cache.start + (r - offsets[s]); };
     auto query = [&](int64_t r) { return q + r * q_stride + head * group * d; };

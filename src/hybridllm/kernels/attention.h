@@ -749,8 +749,8 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
 // ---- prefill chunks ---------------------------------------------------------------------------
 // Attention of prefill chunks by the team: segment s is rows offsets[s] .. offsets[s + 1] - 1 of q
 // (stride q_stride), consecutive positions from caches[s].start of the sequence whose layer KV is
-// caches[s] -> out (rows, H, D). Items (segment, QUERY_ROWS positions, KV head) are claimed as the
-// threads come; an item walks the blocks its rows see in order, each row merging its blocks as it
+// caches[s] -> out (rows, H, D). Items (segment, KV head, QUERY_ROWS positions: a head's last
+// positions first) are claimed as the threads come; an item walks the blocks its rows see in order, each row merging its blocks as it
 // goes (the queries of the rows that see a block whole go through it together).
 void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
                             const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t d,
