@@ -415,17 +415,26 @@ void block_scores(const float* q, const Keys& keys, int64_t n, int64_t d, float 
 // (acc holds the sums so far: a block's keys may come from several stores; `fresh`: it holds
 // zeros, which the registers start from instead of reading them).
 // Value vectors per query held in registers at once when a block's G queries' whole rows (G x VECS
-// vectors) are more than 24 accumulators: the largest span dividing VECS within them.
+// vectors) are more than VALUE_ACCUMULATORS: the largest span dividing VECS within them. On AVX2's
+// 16 registers 24 accumulators (d = 96, two queries) spilled: 12 at a time measured 1.07-1.19x
+// faster there (prefill); at 12 for every shape, d = 64 and the float16 decode reads measured
+// slower (more passes over the rows), so 16.
+#if defined(__AVX512F__)
+constexpr int VALUE_ACCUMULATORS = 24;
+#else
+constexpr int VALUE_ACCUMULATORS = 16;
+#endif
+
 constexpr int value_span(int g, int vecs) {
   for (int span = vecs; span > 1; --span)
-    if (vecs % span == 0 && g * span <= 24) return span;
+    if (vecs % span == 0 && g * span <= VALUE_ACCUMULATORS) return span;
   return 1;
 }
 
 template <int VECS, int G, typename Values>
 void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc, bool fresh) {
   constexpr int64_t D = WLANES * VECS;
-  if constexpr (G * VECS <= 24) {
+  if constexpr (G * VECS <= VALUE_ACCUMULATORS) {
     f32xW a[G][VECS];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < VECS; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * i);
@@ -440,7 +449,7 @@ void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t s
     }
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[g][i]);
-  } else {  // the same sums, VALUE_SPAN vectors of every query at a time (each value vector read once per span)
+  } else {  // the same sums, SPAN vectors of every query at a time (each value vector read once per span)
     constexpr int SPAN = value_span(G, VECS);
     for (int i0 = 0; i0 < VECS; i0 += SPAN) {
       f32xW a[G][SPAN];
