@@ -105,19 +105,16 @@ void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, 
   const int64_t per_row = group * (d + 2);
   thread_local PrefillScratch work;
   work.reserve(QUERY_ROWS, group, d);
+  auto chunks_of = [&](int64_t s) { return (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS; };
   int64_t items = 0;
-  for (int64_t s = 0; s < segments; ++s) items += (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
+  for (int64_t s = 0; s < segments; ++s) items += chunks_of(s) * n_kv_heads;
   for (int64_t item = team.claim(); item < items; item = team.claim()) {
     int64_t s = 0, local = item;
-    for (;; ++s) {
-      const int64_t count = (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS * n_kv_heads;
-      if (local < count) break;
-      local -= count;
-    }
+    for (; local >= chunks_of(s) * n_kv_heads; ++s) local -= chunks_of(s) * n_kv_heads;
     // A segment's items head by head (one KV head's rows stay in the cache from item to item), each
     // head's last positions first (they see the most blocks: the long items are claimed early)
     const HLLayerCache& cache = caches[s];
-    const int64_t chunks = (offsets[s + 1] - offsets[s] + QUERY_ROWS - 1) / QUERY_ROWS;
+    const int64_t chunks = chunks_of(s);
     const int64_t head = local / chunks, r0 = offsets[s] + (chunks - 1 - local % chunks) * QUERY_ROWS;
     const int64_t r1 = std::min(offsets[s + 1], r0 + QUERY_ROWS);
     auto position = [&](int64_t r) { return cache.start + (r - offsets[s]); };

@@ -70,6 +70,7 @@ inline void softcap_scores(float* s, int64_t n, float cap) {
 //   chunk_c = (v[4c] + v[4c + 2]) + (v[4c + 1] + v[4c + 3])     (sum4_chunks: lane 4c + j of x)
 // then across the chunks: (chunk_0 + chunk_2) + (chunk_1 + chunk_3) on AVX-512, chunk_0 + chunk_1 on
 // AVX2 (sum4, or on AVX-512 sum_keys for 16 keys at once: the same additions, so the same bits).
+#if defined(__AVX__)
 inline f32xW sum4_chunks(const f32xW v[4]) {
 #if defined(__AVX512F__)
   const __m512 a = load<__m512>(&v[0]), b = load<__m512>(&v[1]), c = load<__m512>(&v[2]), d = load<__m512>(&v[3]);
@@ -83,10 +84,9 @@ inline f32xW sum4_chunks(const f32xW v[4]) {
   const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
   const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
   return load<f32xW>(&x);
-#else
-  return f32xW{};  // unused: sum4 adds each vector's lanes itself
 #endif
 }
+#endif
 
 inline void sum4(const f32xW v[4], float out[4]) {
 #if defined(__AVX512F__)
@@ -330,6 +330,8 @@ inline void read_run(const KVRun& run, bool keys, int64_t d, ScaleScratch& work,
 template <int VECS, int G, bool FULL, typename Keys>
 inline void quad_dots(const float* q, const Keys& keys, int64_t t, int valid, f32xW dots[G][4]) {
   constexpr int64_t D = VECS * WLANES;
+  if constexpr (FULL)
+    for (int j = 0; j < 4; ++j) keys.prefetch(t + j);
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) dots[g][j] = f32xW{};
   for (int i = 0; i < VECS; ++i) {
@@ -364,10 +366,8 @@ inline void score_wide(const float* q, const Keys& keys, int64_t t, float scale,
   f32xW chunks[G][4];
 #pragma GCC unroll 1  // one quad's code, looped (four copies of a long quad body measured slower at d = 128)
   for (int k = 0; k < 4; ++k) {
-    const int64_t at = t + 4 * k;
-    for (int j = 0; j < 4; ++j) keys.prefetch(at + j);
     f32xW dots[G][4];
-    quad_dots<VECS, G, true>(q, keys, at, 4, dots);
+    quad_dots<VECS, G, true>(q, keys, t + 4 * k, 4, dots);
     for (int g = 0; g < G; ++g) chunks[g][k] = sum4_chunks(dots[g]);
   }
   for (int g = 0; g < G; ++g) sum_keys(chunks[g], scale, scores + g * stride + t);
@@ -380,10 +380,7 @@ void scores_fixed(const float* q, const Keys& keys, int64_t n, float scale, floa
 #if defined(__AVX512F__)
   for (; t + WLANES <= n; t += WLANES) score_wide<VECS, G>(q, keys, t, scale, scores, stride);
 #endif
-  for (; t + 4 <= n; t += 4) {
-    for (int j = 0; j < 4; ++j) keys.prefetch(t + j);
-    score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
-  }
+  for (; t + 4 <= n; t += 4) score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
   if (t < n) score_four<VECS, G, false>(q, keys, t, static_cast<int>(n - t), scale, scores, stride);
 }
 
@@ -593,10 +590,9 @@ inline float block_max(const float* s, int64_t n) {
     best = best > x ? best : x;
   }
 #if defined(__AVX512F__)
-  const __m512 all = load<__m512>(&best);
-  const __m256 wide = _mm256_max_ps(_mm512_castps512_ps256(all),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1)));
-  const f32xL eight = load<f32xL>(&wide);
+  f32xL low8, high8;
+  wide_halves(best, low8, high8);
+  const f32xL eight = low8 > high8 ? low8 : high8;
 #else
   const f32xL eight = best;
 #endif
@@ -759,8 +755,9 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
 // Attention of prefill chunks by the team: segment s is rows offsets[s] .. offsets[s + 1] - 1 of q
 // (stride q_stride), consecutive positions from caches[s].start of the sequence whose layer KV is
 // caches[s] -> out (rows, H, D). Items (segment, KV head, QUERY_ROWS positions: a head's last
-// positions first) are claimed as the threads come; an item walks the blocks its rows see in order, each row merging its blocks as it
-// goes (the queries of the rows that see a block whole go through it together).
+// positions first) are claimed as the threads come; an item walks the blocks its rows see in
+// order, each row merging its blocks as it goes (the queries of the rows that see a block whole go
+// through it together).
 void prefill_attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
                             const int64_t* offsets, int64_t segments, int n_heads, int n_kv_heads, int64_t d,
                             const ScoreOptions& options, float* out, BlockScratch& scratch);

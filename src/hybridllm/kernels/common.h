@@ -111,14 +111,23 @@ inline float sum_in_order(f32xL v) {
   return s;
 }
 
+#if defined(__AVX512F__)
+// Lanes 0-7 and 8-15 of a wide vector, in registers (a copy through the stack stalls on its store
+// forwarding where the result feeds a loop).
+inline void wide_halves(f32xW v, f32xL& low, f32xL& high) {
+  const __m512 all = load<__m512>(&v);
+  const __m256 a = _mm512_castps512_ps256(all), b = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1));
+  low = load<f32xL>(&a), high = load<f32xL>(&b);
+}
+#endif
+
 // The lanes of v summed by halving: lane i + lane i + WLANES / 2, ... down to one (sum_lanes' order
-// for the last eight), in registers (a loop over a stack copy stalls on its store forwarding).
+// for the last eight).
 inline float sum_wide(f32xW v) {
 #if defined(__AVX512F__)
-  const __m512 all = load<__m512>(&v);
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(all),  // lanes 0-7 + lanes 8-15
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(all), 1)));
-  return sum_lanes(load<f32xL>(&half));
+  f32xL low, high;
+  wide_halves(v, low, high);
+  return sum_lanes(low + high);
 #else
   return sum_lanes(v);
 #endif
