@@ -133,10 +133,12 @@ def cluster(tmp_path_factory):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def stream(base: str, model: str, prompt: str, out: list[str]) -> None:
+def stream(base: str, model: str, prompt: str, out: list[str], begun: list[int]) -> None:
+    """One long stream; its status goes to ``begun`` once the response has begun, its whole text to ``out``."""
     with httpx.stream("POST", f"{base}/v1/completions", timeout=BOUND_S, json={
             "model": model, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
             "stream": True}) as r:
+        begun.append(r.status_code)
         out.append(f"{r.status_code}\n" + "".join(r.iter_text()))
 
 
@@ -166,11 +168,16 @@ def test_two_nodes_one_killed_the_ingress_survives_and_the_lost_replica_is_repor
 
         # long streams on both replicas, then the worker node dies under them
         results: list[str] = []
-        threads = [threading.Thread(target=stream, args=(base, model, f"story number {i}", results)) for i in range(6)]
+        begun: list[int] = []
+        threads = [threading.Thread(target=stream, args=(base, model, f"story number {i}", results, begun))
+                   for i in range(6)]
         for t in threads:
             t.start()
-        wait_for(lambda: all(r["running"] for r in httpx.get(f"{base}/replicas", timeout=30).json()),
-                 "both replicas decoding")
+        # every response begun (a request not yet begun when its replica is lost gets a plain 503, which
+        # tests/test_ray_ingress.py covers; here each lost one must end mid-stream)
+        wait_for(lambda: len(begun) == 6 and all(r["running"] for r in httpx.get(f"{base}/replicas", timeout=30).json()),
+                 "all six streams begun, both replicas decoding")
+        assert begun == [200] * 6
         kill_tree(worker)
 
         statuses = []
