@@ -551,3 +551,31 @@ def test_models_preset_runs_transformers_at_512_only_and_puts_ratios_in_its_tabl
     assert cells[2] == "1.50x (12.0 vs 8.0)" and cells[3] == f"@{long}: 1.50x (12.0 vs 8.0)"
     assert cells[4] == "3.00x (300.0 vs 100.0)" and cells[5] == "1.50x (12.0 vs 8.0)"
     assert cells[6] == "1.000" and cells[7] == "1.50x"
+
+
+def test_models_preset_takes_each_cells_best_speed_and_worst_peak_rss_over_rounds(tiny_gguf):
+    from pathlib import Path
+
+    from hybridllm.bench import models_preset
+    from hybridllm.bench.sweep import base_row
+
+    files = {"tiny": Path(tiny_gguf)}
+    grid = models_preset.models_grid(files, baselines=["llama.cpp"], new_tokens=64, threads=2)
+    # round 1: ours slow at decode, fast at prefill; round 2 the other way, with a larger peak;
+    # round 3: ours failed (its error row must not hide the ok rounds)
+    figures = {1: {"decode_tps": 10.0, "prefill_tps": 300.0, "peak_host_bytes": 150},
+               2: {"decode_tps": 12.0, "prefill_tps": 250.0, "peak_host_bytes": 180}}
+    peer = {1: {"decode_tps": 8.0, "prefill_tps": 100.0, "peak_host_bytes": 100},
+            2: {"decode_tps": 6.0, "prefill_tps": 120.0, "peak_host_bytes": 90}}
+    weights = {"weight_bytes": {"device": 0, "host": 1}}
+    rows = [{**base_row(c), "status": "ok", "round": n, **weights, **(figures if c.engine == "hybridllm" else peer)[n]}
+            for n in (1, 2) for c in grid]
+    rows += [{**base_row(c), "status": "error", "round": 3} for c in grid if c.engine == "hybridllm"]
+    best = models_preset.best_of_rounds(rows)
+    assert len(best) == len(grid)  # one row per configuration
+    cells = models_preset.records(rows, files)[0]
+    assert cells[2] == "1.50x (12.0 vs 8.0)"  # each engine's best decode
+    assert cells[4] == "2.50x (300.0 vs 120.0)"  # and best prefill, from other rounds
+    assert cells[7] == "1.80x"  # the worst peak of each: 180 vs 100
+    only_failed = [{**base_row(c), "status": "error", "round": 1} for c in grid]
+    assert [r["status"] for r in models_preset.best_of_rounds(only_failed)] == ["error"] * len(grid)

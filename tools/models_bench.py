@@ -6,17 +6,21 @@ every engine on each (hybridllm.bench.models_preset): decode at 512 and 8K (or t
 at 2K, resident weights against the file's tensor bytes, peak RSS against llama.cpp's.
 
     .venv/bin/python tools/models_bench.py --threads 2 [--models qwen2.5-0.5b,gemma-3-270m]
-        [--baseline llama.cpp,transformers] [--new-tokens 64] [--repeat 1] [--json out.json]
+        [--baseline llama.cpp,transformers] [--new-tokens 64] [--repeat 1] [--rounds 1] [--json out.json]
         [--markdown out.md] [--folder ~/.cache/hybridllm/models] [--kv-dtype float16]
         [--activations int8]
 
 Run it on a quiet machine (each configuration runs in its own process; the ratios compare engines
 measured in the same run). ``HYBRIDLLM_KERNEL_MARCH=x86-64-v3`` measures the AVX2 build.
+``--rounds N`` runs the whole grid N times (the engines alternate, each configuration in a fresh
+process every round); the table takes each cell's best speed and worst peak RSS over the rounds
+(``models_preset.best_of_rounds``), the JSON keeps every round's row.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -36,12 +40,15 @@ def main() -> None:
     parser.add_argument("--baseline", default="llama.cpp,transformers")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1, help="generations per process")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of the whole grid (fresh processes)")
     parser.add_argument("--kv-dtype", default="float16", help="our KV storage (llama.cpp's default cache is f16)")
     parser.add_argument("--activations", default="exact", help="our products' input rounding: exact or int8")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     baselines = [b.strip() for b in args.baseline.split(",") if b.strip() and b.strip() != "none"]
@@ -65,14 +72,17 @@ def main() -> None:
         if args.markdown:
             Path(args.markdown).write_text(
                 f"Measured {started[:16].replace('T', ' ')} UTC on {machine['cpu']}, {machine['cores']} cores "
-                f"(load average {load_start:.2f} at the start, {settings['load_average'][1]:.2f} at the end):\n\n"
+                f"(load average {load_start:.2f} at the start, {settings['load_average'][1]:.2f} at the end"
+                + (f"; each cell the best of {args.rounds} rounds" if args.rounds > 1 else "") + "):\n\n"
                 f"```\n{command}\n```\n\n" + models_preset.table_markdown(rows, files) + "\n")
 
-    def on_row(row: dict) -> None:
-        done.append(row)
+    def on_row(round_number: int, row: dict) -> None:
+        done.append({**row, "round": round_number})
         write(done)
 
-    rows = run_sweep(grid, progress=True, on_row=on_row)  # on_row wrote the files after the last row too
+    for round_number in range(1, args.rounds + 1):  # on_row writes the files after every row
+        run_sweep(grid, progress=True, on_row=functools.partial(on_row, round_number))
+    rows = done
     if not rows:  # an empty grid still writes its (empty) files
         write(rows)
     models_preset.print_models(rows, files)

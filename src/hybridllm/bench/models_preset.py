@@ -69,6 +69,33 @@ def models_grid(files: dict[str, Path], baselines: Sequence[str] = ("llama.cpp",
     return grid
 
 
+def figure_of(row: dict[str, Any]) -> str:
+    """The speed figure the table reads from a row: prefill's at the prefill context, decode's else."""
+    return "prefill_tps" if row["context"] == PREFILL else "decode_tps"
+
+
+def best_of_rounds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, engine, context) from rows of several rounds (``tools/models_bench.py
+    --rounds``: the whole grid again, every configuration in a fresh process): the row of the best
+    speed figure the table reads (``figure_of``), with the largest peak RSS of the rounds. A
+    process's speed on a VM can fall into a slow mode for its whole life (docs/benchmarks.md), so
+    each engine's best of the same number of processes is what both can do; memory takes the worst.
+    Rows that did not run ok are kept only where no round of theirs did."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["engine"], row["context"]), []).append(row)
+    best = []
+    for group in groups.values():
+        ok = [r for r in group if r["status"] == "ok"]
+        if not ok:
+            best.append(group[0])
+            continue
+        chosen = max(ok, key=lambda r: r.get(figure_of(r)) or 0.0)
+        peaks = [r["peak_host_bytes"] for r in ok if r.get("peak_host_bytes")]
+        best.append({**chosen, "peak_host_bytes": max(peaks)} if peaks else chosen)
+    return best
+
+
 def _ratio(ours: dict | None, peer: dict | None, key: str) -> str:
     if not ours or not peer or not ours.get(key) or not peer.get(key):
         return "-"
@@ -76,8 +103,8 @@ def _ratio(ours: dict | None, peer: dict | None, key: str) -> str:
 
 
 def records(rows: Sequence[dict[str, Any]], files: dict[str, Path]) -> list[list[str]]:
-    """One table row per file (the cells of ``HEADERS``)."""
-    by = {(r["model"], r["engine"], r["context"]): r for r in rows if r["status"] == "ok"}
+    """One table row per file (the cells of ``HEADERS``); rows of several rounds give their best."""
+    by = {(r["model"], r["engine"], r["context"]): r for r in best_of_rounds(rows) if r["status"] == "ok"}
     cells = []
     for name, path in files.items():
         model = model_name(path)  # how the sweep's rows name it
