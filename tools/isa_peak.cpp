@@ -1,7 +1,7 @@
 // The vector units' peak instruction rates, the ceiling the product and attention kernels work
-// under: independent chains of one instruction on registers (twelve on 512-bit registers, eight on
-// 256-bit ones, whose 16 registers would spill twelve; no memory), on 1..N threads. Built and run by tools/isa_peak.py with the kernels'
-// compiler and -march; prints one line per kernel: "<name> <threads> <instructions per second>".
+// under: independent chains of one instruction on registers (no memory), on 1..N threads. Built
+// and run by tools/isa_peak.py with the kernels' compiler and -march; prints one line per kernel:
+// "<name> <threads> <instructions per second> <a bit of the result>".
 //
 //   isa_peak <threads> <iterations>
 #include <immintrin.h>
@@ -14,68 +14,58 @@
 
 namespace {
 
-#define EIGHT(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
-#define TWELVE(OP) EIGHT(OP) OP(8) OP(9) OP(10) OP(11)
+// N independent chains c = step(c) on registers from c = first(i), iterations times; their bits
+// folded into one long (so none is dead; the chains start apart, or the compiler would merge them). The chains are an array the unrolled loops index with constants only, so
+// the compiler keeps them in registers; the empty asm hides each step's result from it (it would
+// fold a chain of constant steps into one closed-form step).
+template <int N, typename First, typename Step, typename Bits>
+long chains(long iterations, First first, Step step, Bits bits) {
+  decltype(first(0)) c[N];
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) c[i] = first(i);
+  for (long it = 0; it < iterations; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < N; ++i) {
+      c[i] = step(c[i]);
+      asm("" : "+v"(c[i]));
+    }
+  }
+  long folded = 0;
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) folded ^= bits(c[i]);
+  return folded;
+}
+
+// Twelve chains on 512-bit registers (32 of them), eight on 256-bit ones (16: twelve would spill).
+constexpr int WIDE_CHAINS = 12, NARROW_CHAINS = 8;
 
 #if defined(__AVX512VNNI__)
 // vpdpbusd zmm: 64 u8 x s8 products into 16 int32 lanes.
 long dpbusd512(long iterations) {
   const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
-#define INIT(i) __m512i c##i = _mm512_set1_epi32(i);
-  TWELVE(INIT)
-#undef INIT
-  for (long it = 0; it < iterations; ++it) {
-#define STEP(i) c##i = _mm512_dpbusd_epi32(c##i, a, b);
-    TWELVE(STEP)
-#undef STEP
-  }
-  __m512i sum = _mm512_setzero_si512();
-#define FOLD(i) sum = _mm512_add_epi32(sum, c##i);
-  TWELVE(FOLD)
-#undef FOLD
-  return _mm512_reduce_add_epi32(sum);
+  return chains<WIDE_CHAINS>(iterations, [](int i) { return _mm512_set1_epi32(i); },
+                             [&](__m512i c) { return _mm512_dpbusd_epi32(c, a, b); },
+                             [](__m512i c) { return static_cast<long>(_mm512_reduce_add_epi32(c)); });
 }
 #endif
 
 #if defined(__AVX512F__)
 // vfmadd zmm: 16 float multiply-adds.
 long fma512(long iterations) {
-  const __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(0.0f);
-#define INIT(i) __m512 c##i = _mm512_set1_ps(i);
-  TWELVE(INIT)
-#undef INIT
-  for (long it = 0; it < iterations; ++it) {
-#define STEP(i) c##i = _mm512_fmadd_ps(c##i, a, b);
-    TWELVE(STEP)
-#undef STEP
-  }
-  __m512 sum = _mm512_setzero_ps();
-#define FOLD(i) sum = _mm512_add_ps(sum, c##i);
-  TWELVE(FOLD)
-#undef FOLD
-  return static_cast<long>(_mm512_reduce_add_ps(sum));
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  return chains<WIDE_CHAINS>(iterations, [](int i) { return _mm512_set1_ps(i + 1.0f); },
+                             [&](__m512 c) { return _mm512_fmadd_ps(c, one, zero); },
+                             [](__m512 c) { return static_cast<long>(_mm512_reduce_add_ps(c)); });
 }
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 // vfmadd ymm: 8 float multiply-adds.
 long fma256(long iterations) {
-  const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(0.0f);
-#define INIT(i) __m256 c##i = _mm256_set1_ps(i);
-  EIGHT(INIT)
-#undef INIT
-  for (long it = 0; it < iterations; ++it) {
-#define STEP(i) c##i = _mm256_fmadd_ps(c##i, a, b);
-    EIGHT(STEP)
-#undef STEP
-  }
-  __m256 sum = _mm256_setzero_ps();
-#define FOLD(i) sum = _mm256_add_ps(sum, c##i);
-  EIGHT(FOLD)
-#undef FOLD
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  return static_cast<long>(lanes[0]);
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  return chains<NARROW_CHAINS>(iterations, [](int i) { return _mm256_set1_ps(i + 1.0f); },
+                               [&](__m256 c) { return _mm256_fmadd_ps(c, one, zero); },
+                               [](__m256 c) { return static_cast<long>(_mm256_cvtss_f32(c)); });
 }
 
 // vpmaddubsw ymm + vpaddw: 32 u8 x s8 products summed into 16-bit lanes, the AVX2 kernels' step
@@ -84,10 +74,7 @@ long fma256(long iterations) {
 // with their temporaries on 16 registers.
 long maddubs256(long iterations) {
   const __m256i b = _mm256_set1_epi8(1), x0 = _mm256_set1_epi8(2), x1 = _mm256_set1_epi8(3);
-#define INIT(i) __m256i c##i = _mm256_set1_epi16(i);
-  EIGHT(INIT)
-#undef INIT
-  __m256i t0, t1, t2, t3;
+  __m256i c0 = b, c1 = b, c2 = b, c3 = b, c4 = b, c5 = b, c6 = b, c7 = b, t0, t1, t2, t3;
   for (long it = 0; it < iterations; ++it) {
     asm("vpmaddubsw %[b], %[x0], %[t0]\n\tvpmaddubsw %[b], %[x1], %[t1]\n\t"
         "vpmaddubsw %[b], %[x0], %[t2]\n\tvpmaddubsw %[b], %[x1], %[t3]\n\t"
@@ -101,10 +88,8 @@ long maddubs256(long iterations) {
           [c6] "+x"(c6), [c7] "+x"(c7), [t0] "=&x"(t0), [t1] "=&x"(t1), [t2] "=&x"(t2), [t3] "=&x"(t3)
         : [b] "x"(b), [x0] "x"(x0), [x1] "x"(x1));
   }
-  __m256i sum = _mm256_setzero_si256();
-#define FOLD(i) sum = _mm256_add_epi16(sum, c##i);
-  EIGHT(FOLD)
-#undef FOLD
+  const __m256i sum = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(c0, c1), _mm256_add_epi16(c2, c3)),
+                                       _mm256_add_epi16(_mm256_add_epi16(c4, c5), _mm256_add_epi16(c6, c7)));
   return _mm256_extract_epi16(sum, 0);
 }
 #endif
@@ -117,14 +102,14 @@ struct Kernel {
 
 const Kernel KERNELS[] = {
 #if defined(__AVX512VNNI__)
-    {"vpdpbusd_zmm", dpbusd512, 12},
+    {"vpdpbusd_zmm", dpbusd512, WIDE_CHAINS},
 #endif
 #if defined(__AVX512F__)
-    {"vfmadd_zmm", fma512, 12},
+    {"vfmadd_zmm", fma512, WIDE_CHAINS},
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    {"vfmadd_ymm", fma256, 8},
-    {"vpmaddubsw_vpaddw_ymm", maddubs256, 8},
+    {"vfmadd_ymm", fma256, NARROW_CHAINS},
+    {"vpmaddubsw_vpaddw_ymm", maddubs256, NARROW_CHAINS},
 #endif
     {nullptr, nullptr, 0},
 };
