@@ -7,8 +7,10 @@ import platform
 from pathlib import Path
 
 import pytest
+from conftest import NEEDS_COMPILER
 
 from hybridllm.config import ModelConfig
+from hybridllm.hardware import cpu_flags
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "isa_peak.py"
 
@@ -21,18 +23,12 @@ def isa_peak():
     return module
 
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
+@NEEDS_COMPILER
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the peak kernels are x86 intrinsics")
 def test_the_peak_kernels_build_for_the_kernels_march_and_run_on_this_cpu(isa_peak, tmp_path):
     binary = isa_peak.build("native", tmp_path)
     measured = isa_peak.rates(binary, threads=2, iterations=20_000, best_of=1)
-    flags = cpu_flags()
+    flags = set(cpu_flags())
     expected = {"vfmadd_ymm", "vpmaddubsw_vpaddw_ymm"} if {"avx2", "fma"} <= flags else set()
     expected |= {"vfmadd_zmm"} if "avx512f" in flags else set()
     expected |= {"vpdpbusd_zmm"} if "avx512_vnni" in flags else set()

@@ -15,9 +15,10 @@
 namespace {
 
 // N independent chains c = step(c) on registers from c = first(i), iterations times; their bits
-// folded into one long (so none is dead; the chains start apart, or the compiler would merge them). The chains are an array the unrolled loops index with constants only, so
-// the compiler keeps them in registers; the empty asm hides each step's result from it (it would
-// fold a chain of constant steps into one closed-form step).
+// folded into one long (so none is dead; the chains start apart, or the compiler would merge
+// them). The chains are an array the unrolled loops index with constants only, so the compiler
+// keeps them in registers; the empty asm hides each step's result from it (it would fold a chain
+// of constant steps into one closed-form step).
 template <int N, typename First, typename Step, typename Bits>
 long chains(long iterations, First first, Step step, Bits bits) {
   decltype(first(0)) c[N];
@@ -97,7 +98,7 @@ long maddubs256(long iterations) {
 struct Kernel {
   const char* name;
   long (*run)(long);
-  int chains;  // instructions per iteration
+  int per_iteration;  // instructions per loop iteration (its chains)
 };
 
 const Kernel KERNELS[] = {
@@ -132,7 +133,7 @@ int main(int argc, char** argv) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     long checksum = 0;
     for (long s : sink) checksum += s;
-    std::printf("%s %d %.6e %ld\n", k->name, threads, static_cast<double>(threads) * k->chains * iterations / seconds,
+    std::printf("%s %d %.6e %ld\n", k->name, threads, static_cast<double>(threads) * k->per_iteration * iterations / seconds,
                 checksum & 1);
   }
   return 0;

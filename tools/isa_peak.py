@@ -43,7 +43,7 @@ def build(march: str | None, folder: Path) -> Path:
     done = subprocess.run([compiler, *flags, str(Path(__file__).with_name("isa_peak.cpp")), "-o", str(binary)],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"error: isa_peak.cpp did not compile: {done.stderr.strip().splitlines()[:1]}")
+        raise SystemExit(f"error: isa_peak.cpp did not compile: {kernel_build._first_error(done.stderr)}")
     return binary
 
 
