@@ -3,9 +3,9 @@
 // dots_reference.h (the same bits). Integer dots by vpdpbusd where the CPU has AVX-VNNI, else
 // vpmaddubsw + vpmaddwd: those saturate past 2^15 per pair, so codes that use all 8 bits (int8,
 // IQ4) are taken as signed magnitudes (|w| . sign(x, w): |w| <= 128) and the rest (<= 63) as
-// they are, their vpmaddubsw results summed in 16-bit lanes as far as that stays exact (8 of
-// 4-bit codes, 4 of 5-bit, 2 of 6-bit) before one vpmaddwd widens them; either way the same
-// exact integers.
+// they are, their vpmaddubsw results summed in 16-bit lanes as far as that stays exact (against
+// the high digits 8 of 4-bit codes, 4 of 5-bit, 2 of 6-bit; the low digits, half their size,
+// 17, 8, 4) before one vpmaddwd widens them; either way the same exact integers.
 //
 // Self-contained; its contents exist only in AVX2 builds without AVX-512 VNNI (HL_AVX2).
 #pragma once
@@ -177,21 +177,26 @@ constexpr int32_t code_max() {
   return C == Codes::NIBBLES ? 15 : C == Codes::NIBBLES_1PLANE ? 31 : C == Codes::NIBBLES_2PLANES ? 63 : 255;
 }
 
-// How many vpmaddubsw results of format F's codes against digits (|digit| <= 127) sum exactly in
-// 16-bit lanes: each is at most 2 * code_max * 127 in size (1: widen each at once). Only the
-// dots without VNNI on unsigned codes sum in 16 bits.
-template <int32_t F>
+// The largest size of an input digit: the high digit's |q| <= 127, the low digit's |q_low| <= 64
+// (activations.h).
+constexpr int32_t digit_max(int16_t weight) { return weight == 128 ? 127 : 64; }
+
+// How many vpmaddubsw results of format F's codes against digits of size <= DIGIT_MAX sum exactly
+// in 16-bit lanes: each is at most 2 * code_max * DIGIT_MAX in size (1: widen each at once). Only
+// the dots without VNNI on unsigned codes sum in 16 bits.
+template <int32_t F, int32_t DIGIT_MAX>
 constexpr int int16_terms() {
   if constexpr (VNNI || signed_codes<F>()) return 1;
-  return 32767 / (2 * code_max<F>() * 127);
+  return 32767 / (2 * code_max<F>() * DIGIT_MAX);
 }
 
-// weight * sum over the N quads q[0 .. N) of quad i's dot with inputs x + 4i (8 int32 lanes,
-// exact): in runs of int16_terms<F> products summed in 16-bit lanes, each run widened (and
-// weighted: 1 or 128) by one vpmaddwd, where F's codes allow; else product by product.
-template <int32_t F, int N>
-inline __m256i quads_dot(const __m256i* q, const int8_t* x, int16_t weight) {
-  constexpr int RUN = int16_terms<F>();
+// WEIGHT * sum over the N quads q[0 .. N) of quad i's dot with inputs x + 4i (8 int32 lanes,
+// exact; WEIGHT 128: the high digits, 1: the low ones): in runs of int16_terms products summed in
+// 16-bit lanes, each run widened (and weighted) by one vpmaddwd, where F's codes allow; else
+// product by product.
+template <int32_t F, int N, int16_t WEIGHT>
+inline __m256i quads_dot(const __m256i* q, const int8_t* x) {
+  constexpr int RUN = int16_terms<F, digit_max(WEIGHT)>();
   __m256i total = _mm256_setzero_si256();
   if constexpr (RUN == 1) {
     __m256i other = total;  // two chains
@@ -200,13 +205,13 @@ inline __m256i quads_dot(const __m256i* q, const int8_t* x, int16_t weight) {
       if (i + 1 < N) other = quad_dot<F>(other, q[i + 1], x + 4 * i + 4);
     }
     total = _mm256_add_epi32(total, other);
-    return weight == 1 ? total : _mm256_slli_epi32(total, 7);
+    return WEIGHT == 1 ? total : _mm256_slli_epi32(total, 7);
   } else {
     for (int r = 0; r < N; r += RUN) {
       __m256i run = _mm256_maddubs_epi16(q[r], _mm256_set1_epi32(quad_bits(x + 4 * r)));
       for (int i = r + 1; i < r + RUN && i < N; ++i)
         run = _mm256_add_epi16(run, _mm256_maddubs_epi16(q[i], _mm256_set1_epi32(quad_bits(x + 4 * i))));
-      total = _mm256_add_epi32(total, _mm256_madd_epi16(run, _mm256_set1_epi16(weight)));
+      total = _mm256_add_epi32(total, _mm256_madd_epi16(run, _mm256_set1_epi16(WEIGHT)));
     }
     return total;
   }
@@ -231,18 +236,18 @@ __attribute__((always_inline)) inline void group_rows(const uint8_t* tile, int64
     const __m256 ds = _mm256_set1_ps(a[m].dot_scales[g]);
     // D = 128 (u . q) + u . q_low, less the offset: over inputs 0-15 and 16-31 (halves), or all 32.
     if constexpr (T.halves()) {
-      __m256i d_a = quads_dot<F, 4>(q, hi, 128), d_b = quads_dot<F, 4>(q + 4, hi + 16, 128);
+      __m256i d_a = quads_dot<F, 4, 128>(q, hi), d_b = quads_dot<F, 4, 128>(q + 4, hi + 16);
       if constexpr (DIGITS == 2) {
-        d_a = _mm256_add_epi32(d_a, quads_dot<F, 4>(q, lo, 1));
-        d_b = _mm256_add_epi32(d_b, quads_dot<F, 4>(q + 4, lo + 16, 1));
+        d_a = _mm256_add_epi32(d_a, quads_dot<F, 4, 1>(q, lo));
+        d_b = _mm256_add_epi32(d_b, quads_dot<F, 4, 1>(q + 4, lo + 16));
       }
       d_a = _mm256_sub_epi32(d_a, _mm256_set1_epi32(OFFSET * sums[0]));
       d_b = _mm256_sub_epi32(d_b, _mm256_set1_epi32(OFFSET * sums[1]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_a), _mm256_mul_ps(scales.scale, ds), acc[m]);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_b), _mm256_mul_ps(scales.scale_b, ds), acc[m]);
     } else {
-      __m256i d = quads_dot<F, 8>(q, hi, 128);
-      if constexpr (DIGITS == 2) d = _mm256_add_epi32(d, quads_dot<F, 8>(q, lo, 1));
+      __m256i d = quads_dot<F, 8, 128>(q, hi);
+      if constexpr (DIGITS == 2) d = _mm256_add_epi32(d, quads_dot<F, 8, 1>(q, lo));
       if constexpr (OFFSET != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(OFFSET * (sums[0] + sums[1])));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scales.scale, ds), acc[m]);
       if constexpr (T.has_min()) acc[m] = _mm256_fmadd_ps(scales.min, _mm256_set1_ps(a[m].sums[g]), acc[m]);
