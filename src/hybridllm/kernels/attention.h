@@ -104,6 +104,19 @@ inline void sum4(const f32xW v[4], float out[4]) {
 #endif
 }
 
+#if defined(__AVX__) && !defined(__AVX512F__)
+// Two keys' sums (out[j] of v[j]): sum4's additions on two vectors (AVX2, where four queries'
+// dots of four keys would not fit the registers).
+inline void sum2(const f32xW v[2], float out[2]) {
+  const __m256 a = load<__m256>(&v[0]), b = load<__m256>(&v[1]);
+  const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));  // per 128 bits: a b a b
+  const __m256 x = _mm256_add_ps(ab, _mm256_permute_ps(ab, 0x4E));                       // a b a b, chunk sums
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  out[0] = _mm_cvtss_f32(sums);
+  out[1] = _mm_cvtss_f32(_mm_movehdup_ps(sums));
+}
+#endif
+
 #if defined(__AVX512F__)
 // Sixteen keys' sums at once: x[k] = sum4_chunks of keys 4k .. 4k + 3 -> out[4k + j] = scale * the
 // key's sum (sum4's additions, the four quads' chunks transposed together; AVX-512 only, where
@@ -374,11 +387,40 @@ inline void score_wide(const float* q, const Keys& keys, int64_t t, float scale,
 }
 #endif
 
+#if defined(__AVX__) && !defined(__AVX512F__)
+// keys t, t + 1 (G x 2 accumulators, two keys and a query: 11 of AVX2's 16 registers for G = 4)
+template <int VECS, int G, typename Keys>
+inline void score_pair(const float* q, const Keys& keys, int64_t t, float scale, float* scores, int64_t stride) {
+  constexpr int64_t D = VECS * WLANES;
+  keys.prefetch(t);
+  keys.prefetch(t + 1);
+  f32xW dots[G][2];
+  for (int g = 0; g < G; ++g) dots[g][0] = dots[g][1] = f32xW{};
+  for (int i = 0; i < VECS; ++i) {
+    const f32xW k0 = keys.vector(t, i * WLANES), k1 = keys.vector(t + 1, i * WLANES);
+    for (int g = 0; g < G; ++g) {
+      const f32xW qv = load_wide(q + g * D + i * WLANES);
+      dots[g][0] = fma_wide(qv, k0, dots[g][0]);
+      dots[g][1] = fma_wide(qv, k1, dots[g][1]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float sums[2];
+    sum2(dots[g], sums);
+    scores[g * stride + t] = sums[0] * scale;
+    scores[g * stride + t + 1] = sums[1] * scale;
+  }
+}
+#endif
+
 template <int VECS, int G, typename Keys>
 void scores_fixed(const float* q, const Keys& keys, int64_t n, float scale, float* scores, int64_t stride) {
   int64_t t = 0;
 #if defined(__AVX512F__)
   for (; t + WLANES <= n; t += WLANES) score_wide<VECS, G>(q, keys, t, scale, scores, stride);
+#elif defined(__AVX__)
+  if constexpr (G > 2)  // G x 4 accumulators and four keys would spill: two keys at a time
+    for (; t + 2 <= n; t += 2) score_pair<VECS, G>(q, keys, t, scale, scores, stride);
 #endif
   for (; t + 4 <= n; t += 4) score_four<VECS, G, true>(q, keys, t, 4, scale, scores, stride);
   if (t < n) score_four<VECS, G, false>(q, keys, t, static_cast<int>(n - t), scale, scores, stride);
@@ -412,26 +454,28 @@ void block_scores(const float* q, const Keys& keys, int64_t n, int64_t d, float 
 // (acc holds the sums so far: a block's keys may come from several stores; `fresh`: it holds
 // zeros, which the registers start from instead of reading them).
 // Value vectors per query held in registers at once when a block's G queries' whole rows (G x VECS
-// vectors) are more than VALUE_ACCUMULATORS: the largest span dividing VECS within them. On AVX2's
-// 16 registers 24 accumulators (d = 96, two queries) spilled: 12 at a time measured 1.07-1.19x
-// faster there (prefill); at 12 for every shape, d = 64 and the float16 decode reads measured
-// slower (more passes over the rows), so 16.
+// vectors) are more than VALUE_ACCUMULATORS: the largest span dividing VECS within them whose
+// accumulators fit the registers beside the G weights and a value vector. On AVX2's 16 registers
+// 24 accumulators (d = 96, two queries) spilled: 12 at a time measured 1.07-1.19x faster there
+// (prefill); at 12 for every shape, d = 64 and the float16 decode reads measured slower (more
+// passes over the rows), so 16, fewer where the weights need the room (four queries: 8; with
+// BATCH_QUERIES 4 and score_pair, AMD Zen 5: prefill attention 1.05-1.19x, decode 1.02-1.06x).
 #if defined(__AVX512F__)
-constexpr int VALUE_ACCUMULATORS = 24;
+constexpr int VALUE_ACCUMULATORS = 24, VECTOR_REGS = 32;
 #else
-constexpr int VALUE_ACCUMULATORS = 16;
+constexpr int VALUE_ACCUMULATORS = 16, VECTOR_REGS = 16;
 #endif
 
 constexpr int value_span(int g, int vecs) {
   for (int span = vecs; span > 1; --span)
-    if (vecs % span == 0 && g * span <= VALUE_ACCUMULATORS) return span;
+    if (vecs % span == 0 && g * span <= VALUE_ACCUMULATORS && g * span + g + 1 <= VECTOR_REGS) return span;
   return 1;
 }
 
 template <int VECS, int G, typename Values>
 void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc, bool fresh) {
   constexpr int64_t D = WLANES * VECS;
-  if constexpr (G * VECS <= VALUE_ACCUMULATORS) {
+  if constexpr (value_span(G, VECS) == VECS) {
     f32xW a[G][VECS];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < VECS; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * i);
@@ -639,7 +683,7 @@ void attend_rows(const float* q, const BlockKV& kv, int64_t d, const ScoreOption
 #if defined(__AVX512F__)
 constexpr int BATCH_QUERIES = 6;  // 4 x 6 score accumulators, 4 keys and a query of 32 registers
 #else
-constexpr int BATCH_QUERIES = 2;  // of 16 registers
+constexpr int BATCH_QUERIES = 4;  // of 16 registers: 4 x 2 score accumulators, 2 keys, a query
 #endif
 
 inline void attend_chunk(int count, const float* q, const BlockKV& kv, int64_t d, const ScoreOptions& options,
