@@ -136,6 +136,40 @@ def test_every_build_gives_the_same_bits(type_name, digits, avx2_library, avx2_v
         assert torch.equal(native.linear(view, x, library=avx2_vnni_library), out)
 
 
+# Where each type's block keeps its codes (the bytes past its scales): set to all ones, every code
+# is the largest (15, 31 or 63), the worst case of the AVX2 kernels' 16-bit sums.
+CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q4_K": (16, 144),
+              "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+@pytest.mark.parametrize("rows", [1, 5])  # one row (both halves of a row block at once), a pass and one more
+@pytest.mark.parametrize("type_name", sorted(CODE_BYTES))
+def test_the_largest_codes_and_digits_stay_exact_on_every_build(type_name, rows, avx2_library, portable_library):
+    """Every code at its largest against inputs whose two digits are near their largest (126.5 =
+    126 + 64/128: high digit 126, low digit 64, the scale 1 set by a 127 in each group): the AVX2
+    kernels sum up to 8, 4 or 2 high-digit and 17, 8 or 4 low-digit vpmaddubsw results of 4-, 5-
+    and 6-bit codes in 16-bit lanes; an overflow would change the bits and the product (high-digit
+    runs one term longer fail here for the 5- and 6-bit types)."""
+    first, last = CODE_BYTES[type_name]
+    blocks = random_rows(type_name, 48, 512, seed=11)
+    values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    blocks = blocks.reshape(48, 512 // values, block_bytes)  # (N, blocks, bytes)
+    blocks[:, :, first:last] = 0xFF
+    blocks = blocks.reshape(48, -1)
+    layer = NativeQuantLinear.from_gguf(type_name, torch.from_numpy(blocks.copy()), 512)
+    weights = gguf_values(type_name, blocks, 512)
+    assert weights.amax().item() > 0
+    x = torch.full((rows, 512), 126.5)
+    x[:, ::32] = 127.0  # each group's largest: scale 1, the digits exact
+    x[-1] *= -1.0  # the last row's digits all negative
+    view = native.linear_view(layer)
+    out = native.linear(view, x)
+    assert torch.equal(native.linear(view, x, library=avx2_library), out)
+    assert torch.equal(native.linear(view, x, library=portable_library), out)
+    expected = x.double() @ weights.double().T
+    assert (out.double() - expected).abs().max().item() / expected.abs().max().item() < 2e-6
+
+
 @pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q5_K", "Q8_0"])
 def test_the_bits_do_not_depend_on_the_compilers_vector_width(type_name, digits, narrow_vectors_library):
