@@ -576,6 +576,23 @@ def test_streams_cut_by_shutdown_get_an_error_event_and_done_and_the_exit_code_s
         assert error["code"] == "shutting_down" and error["type"] == "server_error"
 
 
+def test_an_idle_keep_alive_connection_outlives_the_clients_pools(long_tiny):
+    """An idle connection still answers after 6 s (clients' pools expire theirs at 5 s: httpx, the
+    OpenAI SDK), so the client closes first: a server closing at the same time races a request
+    sent on it (the soak below failed once that way)."""
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with serve_process("--model", str(long_tiny), "--max-batch", "1") as (base, _):
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            for pause in (0.0, 6.0):
+                time.sleep(pause)
+                sock.sendall(request)
+                response = http.client.HTTPResponse(sock)
+                response.begin()
+                response.read()
+                assert response.status == 200 and not response.will_close
+
+
 # ---- soak: 300 requests, 10% aborted mid-stream, 10% never read -------------------------------------
 SOAK_REQUESTS = 300
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 3  # shared: whole prefix-cache pages

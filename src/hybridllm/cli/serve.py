@@ -21,6 +21,12 @@ from hybridllm.cli.options import (
 )
 from hybridllm.errors import ConfigError
 
+# Seconds an idle keep-alive connection stays open: longer than clients' pools keep one (httpx,
+# hence the OpenAI SDK: 5 s), so that the client closes it first. A server closing at the same
+# 5 s (uvicorn's default) races a request sent on it just then: "Server disconnected without
+# sending a response".
+KEEP_ALIVE_S = 75
+
 
 @with_option_groups
 def serve(
@@ -110,7 +116,8 @@ def run_server(llm_options: dict[str, Any], *, host: str, port: int, api_key: st
     speculation = "" if not llm.speculative.enabled else f", speculative decoding: {llm.speculative.method}"
     typer.echo(f"serving {app.state.model_name} on http://{host}:{port} (max batch {max_batch}, "
                f"KV {scheduler.kv_strategy}, {llm.placement.describe(llm.engine_config.device)}{speculation})", err=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = GracefulServer(config, app.state.draining, scheduler, grace_s=shutdown_grace)
     server.run()
     if server.unfinished:
