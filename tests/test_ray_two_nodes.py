@@ -194,7 +194,7 @@ def test_two_nodes_one_killed_the_ingress_survives_and_the_lost_replica_is_repor
         assert len(results) == 6  # none hangs
         cut = [text for text in results if '"replica_unavailable"' in text]
         done = [text for text in results if '"finish_reason": "length"' in text]
-        assert cut and done and len(cut) + len(done) == 6
+        assert cut and done and len(cut) + len(done) == 6, [text[:4] + " ... " + text[-240:] for text in results]
         for text in cut:
             events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
             assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
