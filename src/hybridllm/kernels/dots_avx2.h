@@ -305,12 +305,11 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, in
                 int n_valid, const float* row_scales) {
   InputRow a[MT];
   for (int m = 0; m < MT; ++m) a[m] = acts.row(m0 + m);
-  if (MT == 1 && n_valid > 8) {
-    halves_pass<F, MT, DIGITS, 2>(tiles, n_tiles, a, 0, m0, out, n_out, n_valid, row_scales);
-  } else {
-    halves_pass<F, MT, DIGITS, 1>(tiles, n_tiles, a, 0, m0, out, n_out, n_valid, row_scales);
-    if (n_valid > 8) halves_pass<F, MT, DIGITS, 1>(tiles, n_tiles, a, 1, m0, out, n_out, n_valid, row_scales);
+  if constexpr (MT == 1) {  // (a constexpr test: no two-half pass is instantiated for several rows)
+    if (n_valid > 8) return halves_pass<F, 1, DIGITS, 2>(tiles, n_tiles, a, 0, m0, out, n_out, n_valid, row_scales);
   }
+  halves_pass<F, MT, DIGITS, 1>(tiles, n_tiles, a, 0, m0, out, n_out, n_valid, row_scales);
+  if (n_valid > 8) halves_pass<F, MT, DIGITS, 1>(tiles, n_tiles, a, 1, m0, out, n_out, n_valid, row_scales);
 }
 
 // Input rows per pass: the group's 8 quads are unpacked once for 4 rows (measured on Q4_1, Q4_K
