@@ -133,10 +133,16 @@ def cluster(tmp_path_factory):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+# Tokens per stream: long enough that the lost replica's streams are still decoding when the test
+# has seen every stream begun (a poll of /replicas through Ray) and kills the worker. With 1500
+# (~2-3 s on a 2-core machine) a slow poll let them finish first: nothing was cut (CI, once).
+STREAM_TOKENS = 6000  # the prompt's few tokens + 6000 < the model's 8K context
+
+
 def stream(base: str, model: str, prompt: str, out: list[str], begun: list[int]) -> None:
     """One long stream; its status goes to ``begun`` once the response has begun, its whole text to ``out``."""
     with httpx.stream("POST", f"{base}/v1/completions", timeout=BOUND_S, json={
-            "model": model, "prompt": prompt, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+            "model": model, "prompt": prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0,
             "stream": True}) as r:
         begun.append(r.status_code)
         out.append(f"{r.status_code}\n" + "".join(r.iter_text()))
