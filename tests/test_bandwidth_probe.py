@@ -1,0 +1,36 @@
+"""tools/bandwidth_probe.py: a row of read rates per round, one per buffer, and its argument checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bandwidth_probe.py"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("bandwidth_probe", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_buffer_gets_its_own_positive_rate():
+    probe = load_tool()
+    rates = probe.read_rates([torch.ones(1 << 16), torch.ones(1 << 17)])
+    assert len(rates) == 2 and all(rate > 0 for rate in rates)
+
+
+def test_the_command_prints_a_row_per_round_and_refuses_empty_sizes():
+    done = subprocess.run([sys.executable, str(TOOL), "--buffers", "3", "--mib", "1", "--rounds", "2", "--threads", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    header, *rows = done.stdout.strip().splitlines()
+    assert "3 buffers of 1 MiB" in header and len(rows) == 2
+    assert all(len(row.split()) == 1 + 3 and all(float(rate) > 0 for rate in row.split()[1:]) for row in rows)
+    refused = subprocess.run([sys.executable, str(TOOL), "--mib", "0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "must be at least 1" in refused.stderr and "Traceback" not in refused.stderr
