@@ -455,7 +455,7 @@ void scores_fixed(const float* q, const Keys& keys, int64_t n, float scale, floa
 #elif defined(__AVX__)
   if constexpr (G > 2) {  // G x 4 accumulators and four keys would spill: two keys at a time
     // up to d = 64, two pairs finished together (AMD Zen 5: the Llama and Qwen2.5 shapes' prefill
-    // attention 1.11-1.18x, their decode 1.04-1.05x); at d = 128 that measured 0-8% slower (prefill)
+    // attention 1.14-1.20x, their decode 1.01-1.04x); at d = 128 that measured 0-8% slower (prefill)
     if constexpr (VECS <= 8)
       for (; t + 4 <= n; t += 4) score_pairs<VECS, G>(q, keys, t, scale, scores, stride);
     for (; t + 2 <= n; t += 2) score_pair<VECS, G>(q, keys, t, scale, scores, stride);
