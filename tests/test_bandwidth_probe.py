@@ -1,4 +1,4 @@
-"""tools/bandwidth_probe.py: a row of read rates per round, one per buffer, and its argument checks."""
+"""tools/bandwidth_probe.py: a row of read rates per round, one per buffer; one-line errors for bad sizes."""
 
 from __future__ import annotations
 
@@ -34,3 +34,6 @@ def test_the_command_prints_a_row_per_round_and_refuses_empty_sizes():
     assert all(len(row.split()) == 1 + 3 and all(float(rate) > 0 for rate in row.split()[1:]) for row in rows)
     refused = subprocess.run([sys.executable, str(TOOL), "--mib", "0"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "must be at least 1" in refused.stderr and "Traceback" not in refused.stderr
+    too_big = subprocess.run([sys.executable, str(TOOL), "--buffers", "1", "--mib", str(1 << 27)],  # 128 TiB
+                             capture_output=True, text=True, timeout=120)
+    assert too_big.returncode == 1 and "cannot allocate" in too_big.stderr and "Traceback" not in too_big.stderr

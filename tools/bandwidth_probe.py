@@ -44,7 +44,10 @@ def main() -> None:
     if min(args.buffers, args.mib, args.rounds, args.threads) < 1:
         parser.error("--buffers, --mib, --rounds and --threads must be at least 1")
     torch.set_num_threads(args.threads)
-    buffers = [torch.ones(args.mib * (1 << 20) // 4) for _ in range(args.buffers)]  # (mib MiB / 4,) float32 each
+    try:
+        buffers = [torch.ones(args.mib * (1 << 20) // 4) for _ in range(args.buffers)]  # (mib MiB / 4,) float32 each
+    except RuntimeError as error:  # PyTorch's out-of-memory on the host
+        parser.exit(1, f"bandwidth_probe.py: cannot allocate {args.buffers} x {args.mib} MiB: {str(error).splitlines()[0]}\n")
     print(f"GB/s reading each of {args.buffers} buffers of {args.mib} MiB, {args.threads} threads")
     for _ in range(args.rounds):
         rates = read_rates(buffers)
