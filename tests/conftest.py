@@ -38,6 +38,19 @@ def import_extra(module: str, reason: str) -> Any:
     return pytest.importorskip(module, reason=reason)
 
 
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def tool_module(name: str) -> Any:
+    """tools/<name>.py loaded as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _have_compiler() -> bool:
     from hybridllm.kernels import build
 

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from conftest import TOOLS, tool_module
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bandwidth_probe.py"
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("bandwidth_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+TOOL = TOOLS / "bandwidth_probe.py"
 
 
 def test_each_buffer_gets_its_own_positive_rate():
-    probe = load_tool()
+    probe = tool_module("bandwidth_probe")
     rates = probe.read_rates([torch.ones(1 << 16), torch.ones(1 << 17)])
     assert len(rates) == 2 and all(rate > 0 for rate in rates)
 

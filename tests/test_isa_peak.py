@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import platform
-from pathlib import Path
 
 import pytest
-from conftest import NEEDS_COMPILER
+from conftest import NEEDS_COMPILER, tool_module
 
 from hybridllm.config import ModelConfig
 from hybridllm.hardware import cpu_flags
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "isa_peak.py"
-
 
 @pytest.fixture(scope="module")
 def isa_peak():
-    spec = importlib.util.spec_from_file_location("isa_peak", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tool_module("isa_peak")
 
 
 @NEEDS_COMPILER

@@ -77,6 +77,8 @@ inline __m256 pair_partials(__m256 a, __m256 b) { return _mm256_add_ps(_mm256_un
 inline __m256 quad_chunks(__m256 ab, __m256 cd) {
   return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));
 }
+// The second stage across the chunks on AVX2: chunk_0 + chunk_1, lane by lane.
+inline __m128 fold_chunks(__m256 x) { return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)); }
 #endif
 
 #if defined(__AVX__)
@@ -104,8 +106,7 @@ inline void sum4(const f32xW v[4], float out[4]) {
   _mm_storeu_ps(out, _mm512_castps512_ps128(x));
 #elif defined(__AVX__)
   const f32xW chunks = sum4_chunks(v);
-  const __m256 x = load<__m256>(&chunks);
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
+  _mm_storeu_ps(out, fold_chunks(load<__m256>(&chunks)));
 #else
   for (int j = 0; j < 4; ++j) out[j] = sum_wide(v[j]);
 #endif
@@ -117,7 +118,7 @@ inline void sum4(const f32xW v[4], float out[4]) {
 inline void sum2(const f32xW v[2], float out[2]) {
   const __m256 ab = pair_partials(load<__m256>(&v[0]), load<__m256>(&v[1]));  // per 128 bits: a b a b
   const __m256 x = _mm256_add_ps(ab, _mm256_permute_ps(ab, 0x4E));             // a b a b, chunk sums
-  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 sums = fold_chunks(x);
   out[0] = _mm_cvtss_f32(sums);
   out[1] = _mm_cvtss_f32(_mm_movehdup_ps(sums));
 }
@@ -441,8 +442,7 @@ inline void score_pairs(const float* q, const Keys& keys, int64_t t, float scale
   const __m128 factor = _mm_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
     const __m256 x = quad_chunks(first[g], pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1])));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    _mm_storeu_ps(scores + g * stride + t, _mm_mul_ps(sums, factor));
+    _mm_storeu_ps(scores + g * stride + t, _mm_mul_ps(fold_chunks(x), factor));
   }
 }
 #endif
