@@ -579,3 +579,11 @@ def test_models_preset_takes_each_cells_best_speed_and_worst_peak_rss_over_round
     assert cells[7] == "1.80x"  # the worst peak of each: 180 vs 100
     only_failed = [{**base_row(c), "status": "error", "round": 1} for c in grid]
     assert [r["status"] for r in models_preset.best_of_rounds(only_failed)] == ["error"] * len(grid)
+
+
+def test_models_preset_header_gives_the_memorys_read_rate_around_the_rows():
+    from hybridllm.bench import models_preset
+
+    rows = [{"memory_read_gbs": [71.6, 44.8]}, {"memory_read_gbs": [44.8, 46.2]}, {"status": "error"}]
+    assert models_preset.memory_note(rows) == "the memory read 45-72 GB/s between the rows"
+    assert models_preset.memory_note([{"status": "ok"}]) == ""  # rows of a run before the probe

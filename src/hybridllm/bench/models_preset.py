@@ -77,9 +77,10 @@ def figure_of(row: dict[str, Any]) -> str:
 def best_of_rounds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (model, engine, context) from rows of several rounds (``tools/models_bench.py
     --rounds``: the whole grid again, every configuration in a fresh process): the row of the best
-    speed figure the table reads (``figure_of``), with the largest peak RSS of the rounds. A
-    process's speed on a VM can fall into a slow mode for its whole life (docs/benchmarks.md), so
-    each engine's best of the same number of processes is what both can do; memory takes the worst.
+    speed figure the table reads (``figure_of``), with the largest peak RSS of the rounds. A VM's
+    memory can change speed over time (docs/benchmarks.md: ~45 against ~70 GB/s for seconds to
+    minutes), so each engine's best of the same number of processes is what both can do; memory
+    takes the worst.
     Rows that did not run ok are kept only where no round of theirs did."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
@@ -94,6 +95,16 @@ def best_of_rounds(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         peaks = [r["peak_host_bytes"] for r in ok if r.get("peak_host_bytes")]
         best.append({**chosen, "peak_host_bytes": max(peaks)} if peaks else chosen)
     return best
+
+
+def memory_note(rows: Sequence[dict[str, Any]]) -> str:
+    """How fast the machine's memory read around the rows, for a table's header: each row's
+    ``memory_read_gbs`` is (before, after) it in GB/s (``tools/models_bench.py`` reads 256 MiB
+    between the rows). Empty when no row has them."""
+    rates = [rate for row in rows for rate in row.get("memory_read_gbs") or () if rate]
+    if not rates:
+        return ""
+    return f"the memory read {min(rates):.0f}-{max(rates):.0f} GB/s between the rows"
 
 
 def _ratio(ours: dict | None, peer: dict | None, key: str) -> str:
