@@ -79,7 +79,9 @@ __attribute__((always_inline)) inline QuadSource quad_source(const uint8_t* code
   return src;
 }
 
-// Quad i of half h, as unpack_quads<F>(codes, h, q) leaves q[i].
+// Quad i (inputs 4i .. 4i + 3) of half h (rows 8h .. 8h + 7): unsigned codes, or for
+// signed_codes<F> the signed values w = u - offset. (i and h are constants wherever it is
+// inlined: the loops calling it are unrolled.)
 template <int32_t F>
 __attribute__((always_inline)) inline __m256i quad_at(const QuadSource& src, int half, int i) {
   constexpr TypeLayout T = layout_of(F);
@@ -112,12 +114,13 @@ __attribute__((always_inline)) inline __m256i quad_at(const QuadSource& src, int
   }
 }
 
-// Half h (rows 8h .. 8h + 7) of a group's 8 quads: unsigned codes, or for signed_codes<F> the
-// signed values w = u - offset (the other half's plane bits, unused, are not computed; a nibble
-// byte serving quads j and j + 4 is loaded once).
+// Half h's 8 quads of a group at once (for the passes of several input rows, which keep them):
+// the other half's plane bits, never read, are dropped by the compiler, and the nibble bytes that
+// quads j and j + 4 share are loaded once.
 template <int32_t F>
 __attribute__((always_inline)) inline void unpack_quads(const uint8_t* codes, int half, __m256i q[8]) {
   const QuadSource src = quad_source<F>(codes);
+#pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) q[i] = quad_at<F>(src, half, i);
 }
 
