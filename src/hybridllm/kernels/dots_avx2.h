@@ -243,6 +243,30 @@ inline __m256i quads_dot(const __m256i* q, const int8_t* x) {
   }
 }
 
+// qtypes.h's float steps of group g for one input row a and 8 weight rows (their scales s), from
+// the exact dots over the group's inputs 0-15 (d_a) and 16-31 (d_b) before the offset; a type
+// without halves takes their sum (d_b may be zero: d_a over all 32).
+template <int32_t F>
+__attribute__((always_inline)) inline __m256 float_steps(__m256 acc, __m256i d_a, __m256i d_b, const Scales8& s,
+                                                         const InputRow& a, int64_t g) {
+  constexpr TypeLayout T = layout_of(F);
+  constexpr int32_t OFFSET = signed_codes<F>() ? 0 : T.offset;  // signed codes carry their offset
+  const int32_t* sums = a.digit_sums + 2 * g;
+  const __m256 ds = _mm256_set1_ps(a.dot_scales[g]);
+  if constexpr (T.halves()) {
+    d_a = _mm256_sub_epi32(d_a, _mm256_set1_epi32(OFFSET * sums[0]));
+    d_b = _mm256_sub_epi32(d_b, _mm256_set1_epi32(OFFSET * sums[1]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_a), _mm256_mul_ps(s.scale, ds), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_b), _mm256_mul_ps(s.scale_b, ds), acc);
+  } else {
+    __m256i d = _mm256_add_epi32(d_a, d_b);
+    if constexpr (OFFSET != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(OFFSET * (sums[0] + sums[1])));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s.scale, ds), acc);
+    if constexpr (T.has_min()) acc = _mm256_fmadd_ps(s.min, _mm256_set1_ps(a.sums[g]), acc);
+    return acc;
+  }
+}
+
 // Group gi (g overall) of a tile against input rows a[0 .. MT) for half h (weight rows 8h ..
 // 8h + 7), into acc[0 .. MT); DIGITS: the input rows' digits per value (1: acts.one_digit(), the
 // zero low digits' dots skipped).
@@ -250,7 +274,6 @@ template <int32_t F, int MT, int DIGITS>
 __attribute__((always_inline)) inline void group_rows(const uint8_t* tile, int64_t gi, int64_t g, int half,
                                                       const InputRow* a, __m256* acc) {
   constexpr TypeLayout T = layout_of(F);
-  constexpr int32_t OFFSET = signed_codes<F>() ? 0 : T.offset;  // signed codes carry their offset
   const uint8_t* codes = group_codes(T, tile, gi);
   __m256i q[8];
   unpack_quads<F>(codes, half, q);
@@ -258,26 +281,20 @@ __attribute__((always_inline)) inline void group_rows(const uint8_t* tile, int64
   for (int m = 0; m < MT; ++m) {
     const int8_t* hi = a[m].high(g);
     const int8_t* lo = a[m].low(g);
-    const int32_t* sums = a[m].digit_sums + 2 * g;
-    const __m256 ds = _mm256_set1_ps(a[m].dot_scales[g]);
-    // D = 128 (u . q) + u . q_low, less the offset: over inputs 0-15 and 16-31 (halves), or all 32.
+    // 128 (u . q) + u . q_low over inputs 0-15 and 16-31 (halves), or all 32 (in d_a)
+    __m256i d_a, d_b = _mm256_setzero_si256();
     if constexpr (T.halves()) {
-      __m256i d_a = quads_dot<F, 4, 128>(q, hi), d_b = quads_dot<F, 4, 128>(q + 4, hi + 16);
+      d_a = quads_dot<F, 4, 128>(q, hi);
+      d_b = quads_dot<F, 4, 128>(q + 4, hi + 16);
       if constexpr (DIGITS == 2) {
         d_a = _mm256_add_epi32(d_a, quads_dot<F, 4, 1>(q, lo));
         d_b = _mm256_add_epi32(d_b, quads_dot<F, 4, 1>(q + 4, lo + 16));
       }
-      d_a = _mm256_sub_epi32(d_a, _mm256_set1_epi32(OFFSET * sums[0]));
-      d_b = _mm256_sub_epi32(d_b, _mm256_set1_epi32(OFFSET * sums[1]));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_a), _mm256_mul_ps(scales.scale, ds), acc[m]);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d_b), _mm256_mul_ps(scales.scale_b, ds), acc[m]);
     } else {
-      __m256i d = quads_dot<F, 8, 128>(q, hi);
-      if constexpr (DIGITS == 2) d = _mm256_add_epi32(d, quads_dot<F, 8, 1>(q, lo));
-      if constexpr (OFFSET != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(OFFSET * (sums[0] + sums[1])));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(scales.scale, ds), acc[m]);
-      if constexpr (T.has_min()) acc[m] = _mm256_fmadd_ps(scales.min, _mm256_set1_ps(a[m].sums[g]), acc[m]);
+      d_a = quads_dot<F, 8, 128>(q, hi);
+      if constexpr (DIGITS == 2) d_a = _mm256_add_epi32(d_a, quads_dot<F, 8, 1>(q, lo));
     }
+    acc[m] = float_steps<F>(acc[m], d_a, d_b, scales, a[m], g);
   }
 }
 
@@ -322,8 +339,8 @@ void half_pass(const uint8_t* tiles, int64_t n_tiles, const InputRow* a, int hal
 // accumulators in memory, or hoisted and spilled; and GCC turned each serial 16-bit run into a
 // tree that kept every product live (in_register stops that). AMD Zen 5, one row against 8192 x
 // 2048 weights in the cache, one thread, GMAC/s: Q4_K 47 -> 60, Q8_0 38 -> 40, Q6_K and Q5_0
-// within 3%. The integer dots are the same exact sums as group_rows', the float steps the same in
-// the same order: the same bits.
+// within 3%. The integer dots are the same exact sums as group_rows', the float steps the same
+// (float_steps): the same bits.
 
 // The dots of quads [FIRST, FIRST + N) of both halves with one row's digits hi (and lo): d[h] =
 // 128 (u . q) + u . q_low over those quads (quad i against inputs 4i .. 4i + 3), as quads_dot
@@ -384,33 +401,17 @@ template <int32_t F, int DIGITS>
 __attribute__((always_inline)) inline void group_one_row(const uint8_t* tile, int64_t gi, int64_t g, const InputRow& a,
                                                          __m256 acc[2]) {
   constexpr TypeLayout T = layout_of(F);
-  constexpr int32_t OFFSET = signed_codes<F>() ? 0 : T.offset;  // signed codes carry their offset
   const QuadSource src = quad_source<F>(group_codes(T, tile, gi));
   const int8_t* hi = a.high(g);
   const int8_t* lo = a.low(g);
-  const int32_t* sums = a.digit_sums + 2 * g;
-  const __m256 ds = _mm256_set1_ps(a.dot_scales[g]);
+  __m256i d_a[2], d_b[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
   if constexpr (T.halves()) {
-    __m256i d_a[2], d_b[2];
     quads_dot_halves<F, 0, 4, DIGITS>(src, hi, lo, d_a);
     quads_dot_halves<F, 4, 4, DIGITS>(src, hi, lo, d_b);
-    for (int h = 0; h < 2; ++h) {
-      const Scales8 scales = group_scales<F>(tile, gi, h);
-      const __m256i a_h = _mm256_sub_epi32(d_a[h], _mm256_set1_epi32(OFFSET * sums[0]));
-      const __m256i b_h = _mm256_sub_epi32(d_b[h], _mm256_set1_epi32(OFFSET * sums[1]));
-      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a_h), _mm256_mul_ps(scales.scale, ds), acc[h]);
-      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b_h), _mm256_mul_ps(scales.scale_b, ds), acc[h]);
-    }
   } else {
-    __m256i d[2];
-    quads_dot_halves<F, 0, 8, DIGITS>(src, hi, lo, d);
-    for (int h = 0; h < 2; ++h) {
-      const Scales8 scales = group_scales<F>(tile, gi, h);
-      if constexpr (OFFSET != 0) d[h] = _mm256_sub_epi32(d[h], _mm256_set1_epi32(OFFSET * (sums[0] + sums[1])));
-      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[h]), _mm256_mul_ps(scales.scale, ds), acc[h]);
-      if constexpr (T.has_min()) acc[h] = _mm256_fmadd_ps(scales.min, _mm256_set1_ps(a.sums[g]), acc[h]);
-    }
+    quads_dot_halves<F, 0, 8, DIGITS>(src, hi, lo, d_a);
   }
+  for (int h = 0; h < 2; ++h) acc[h] = float_steps<F>(acc[h], d_a[h], d_b[h], group_scales<F>(tile, gi, h), a, g);
 }
 
 // out[m0, 0 : n_valid) (n_valid > 8) of one input row against one row block, every group of
