@@ -587,3 +587,12 @@ def test_models_preset_header_gives_the_memorys_read_rate_around_the_rows():
     rows = [{"memory_read_gbs": [71.6, 44.8]}, {"memory_read_gbs": [44.8, 46.2]}, {"status": "error"}]
     assert models_preset.memory_note(rows) == "the memory read 45-72 GB/s between the rows"
     assert models_preset.memory_note([{"status": "ok"}]) == ""  # rows of a run before the probe
+
+
+def test_the_read_rate_alone_is_the_bandwidth_probes_read(monkeypatch):
+    from hybridllm import hardware
+
+    monkeypatch.setattr(hardware, "best_time", lambda fn, repeats, sync=None: 0.5)  # every timing: 0.5 s
+    nbytes = 1 << 20
+    assert hardware.measure_host_read(nbytes, repeats=1) == nbytes / 0.5 / 1e9
+    assert hardware.measure_host_bandwidth(nbytes, repeats=1)["read"] == hardware.measure_host_read(nbytes, repeats=1)

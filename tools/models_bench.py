@@ -15,7 +15,7 @@ measured in the same run). ``HYBRIDLLM_KERNEL_MARCH=x86-64-v3`` measures the AVX
 ``--rounds N`` runs the whole grid N times (the engines alternate, each configuration in a fresh
 process every round); the table takes each cell's best speed and worst peak RSS over the rounds
 (``models_preset.best_of_rounds``), the JSON keeps every round's row. Before each round and after
-every row the parent reads 256 MiB (``hardware.measure_host_bandwidth``, --threads threads): each
+every row the parent reads 256 MiB (``hardware.measure_host_read``, --threads threads): each
 row keeps the memory's read rate before and after it (``memory_read_gbs``), the Markdown header
 their range, since a VM's memory can change speed between the engines' runs.
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 def main() -> None:
     from hybridllm.bench import models_preset, report
     from hybridllm.bench.sweep import run_sweep
-    from hybridllm.hardware import measure_host_bandwidth
+    from hybridllm.hardware import measure_host_read
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(models_preset.MODELS))
@@ -81,19 +81,16 @@ def main() -> None:
                 + (f"; {note}" if (note := models_preset.memory_note(rows)) else "") + "):\n\n"
                 f"```\n{command}\n```\n\n" + models_preset.table_markdown(rows, files) + "\n")
 
-    def memory_read_gbs() -> float:
-        return measure_host_bandwidth(threads=args.threads)["read"]
-
-    memory = {"before": 0.0}  # the read rate measured last: the next row's "before"
+    last_read = 0.0  # the memory's read rate measured last (GB/s): the next row's "before"
 
     def on_row(round_number: int, row: dict) -> None:
-        after = memory_read_gbs()
-        done.append({**row, "round": round_number, "memory_read_gbs": [memory["before"], after]})
-        memory["before"] = after
+        nonlocal last_read
+        before, last_read = last_read, measure_host_read(threads=args.threads)
+        done.append({**row, "round": round_number, "memory_read_gbs": [before, last_read]})
         write(done)
 
     for round_number in range(1, args.rounds + 1):  # on_row writes the files after every row
-        memory["before"] = memory_read_gbs()
+        last_read = measure_host_read(threads=args.threads)
         run_sweep(grid, progress=True, on_row=functools.partial(on_row, round_number))
     rows = done
     if not rows:  # an empty grid still writes its (empty) files

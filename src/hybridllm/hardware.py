@@ -278,17 +278,28 @@ def measure_host_bandwidth(nbytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int =
     """
     with torch_threads(threads):
         src = torch.ones(nbytes // 4, dtype=torch.float32)
-        read_s = best_time(lambda: src.sum(), repeats)
+        read = _read_gbs(src, repeats)
         copy_s = _copy_time(src, repeats)
         cols = 4096
         matrix = src[: (src.numel() // cols) * cols].view(-1, cols)  # (rows, cols)
         vector = torch.ones(cols, 1)
         gemv_s = best_time(lambda: torch.mm(matrix, vector), repeats)
     return {
-        "read": nbytes / read_s / GB,
+        "read": read,
         "copy": 2 * nbytes / copy_s / GB,
         "gemv": matrix.numel() * 4 / gemv_s / GB,
     }
+
+
+def measure_host_read(nbytes: int = DEFAULT_BANDWIDTH_BYTES, repeats: int = 5, threads: int | None = None) -> float:
+    """Host memory read bandwidth in GB/s (:func:`measure_host_bandwidth`'s ``read`` alone: a
+    reduction over ``nbytes``, the best of ``repeats``)."""
+    with torch_threads(threads):
+        return _read_gbs(torch.ones(nbytes // 4, dtype=torch.float32), repeats)
+
+
+def _read_gbs(src: torch.Tensor, repeats: int) -> float:
+    return src.numel() * src.element_size() / best_time(lambda: src.sum(), repeats) / GB
 
 
 def _copy_time(src: torch.Tensor, repeats: int) -> float:

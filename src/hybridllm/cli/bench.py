@@ -254,9 +254,9 @@ def bench(
         report.print_table(report.PAPER_HEADERS, report.paper_records(rows), title="the study's layout")
     bandwidth_gbs = device_bandwidth_gbs = None
     if preset == "speed":
-        from hybridllm.hardware import measure_host_bandwidth
+        from hybridllm.hardware import measure_host_read
 
-        bandwidth_gbs = measure_host_bandwidth(threads=threads)["read"]  # after the sweep: nothing else runs
+        bandwidth_gbs = measure_host_read(threads=threads)  # after the sweep: nothing else runs
         report.print_speed(rows, bandwidth_gbs)
     elif device.startswith("cuda"):  # on a GPU every run reports bytes per token against the device's bandwidth
         from hybridllm.hardware import measure_gpu
