@@ -8,6 +8,11 @@ transformers on the GPU and that the named SDPA backends serve every phase.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,7 +129,11 @@ def test_buckets_and_spans():
 
 # ---- the static-buffer decode step on the CPU ----------------------------------------------------
 def _model(tiny_models, arch: str = "llama3", device: torch.device = CPU, dtype: torch.dtype = torch.float32):
-    return load_model(open_checkpoint(tiny_models[arch][0]), dtype, lambda name: device)
+    return _model_from_folder(tiny_models[arch][0], device, dtype)
+
+
+def _model_from_folder(folder: Path, device: torch.device = CPU, dtype: torch.dtype = torch.float32):
+    return load_model(open_checkpoint(folder), dtype, lambda name: device)
 
 
 def _spec(config, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> KVSpec:
@@ -150,14 +159,17 @@ def _eager_greedy(model, prompt: list[int], steps: int, device: torch.device = C
 
 
 def _static_greedy(model, prompts: list[list[int]], steps: int, device: torch.device = CPU,
-                   bystander: list[int] | None = None, attention: str | None = None):
+                   bystander: list[int] | None = None, attention: str | None = None, fused: bool | None = None):
     """Greedy tokens of ``prompts`` decoded as one batch through the cuda-graph backend; a
     ``bystander`` prompt is prefilled into a row inside the bucket but never decoded;
-    ``attention`` narrows the static attention to one form."""
+    ``attention`` narrows the static attention to one form; ``fused`` switches the fused
+    elementwise kernels on or off (None: the backend's choice)."""
     runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(device), "cuda-graph")
     backend = runner.backend
     if attention is not None:
         backend.attention_variants = (attention,)
+    if fused is not None:
+        backend.fused_elementwise = fused
     ledger = MemoryLedger()
     spec = _spec(model.config, device, model.compute_dtype)
     caches = [backend.new_cache(spec, ledger) for _ in prompts]
@@ -247,8 +259,90 @@ def test_placements_it_cannot_serve_are_one_line_config_errors(tiny_models, plac
 CUDA = torch.device("cuda")
 
 
+@pytest.mark.slow
+def test_the_triton_form_runs_in_triton_s_interpreter(tiny_models):
+    """The Triton kernels on CPU tensors (``TRITON_INTERPRET=1``, in a process of its own): the
+    kernel against the length-masked SDPA, then a tiny model's greedy tokens through the static
+    step with the Triton form alone equal the eager backend's (``tests/triton_interpreted.py``)."""
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("triton_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tiny_models["llama3"][0])], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert done.stdout.count("kernel ") == 4 and done.stdout.count("static step, ") == 3, done.stdout
+    assert done.stdout.count("rotate_and_store ") == 12 and done.stdout.rstrip().endswith("ok"), done.stdout
+
+
+def test_the_triton_form_is_tried_only_where_it_runs(tiny_models, monkeypatch):
+    from hybridllm.runtime.backends.cuda_graph import triton_runs_on
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not triton_runs_on(CPU)  # the CPU runs the first form; Triton needs a GPU or its interpreter
+    model = _model(tiny_models)
+    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), "cuda-graph")
+    assert "triton" not in runner.backend._variants(256)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    has_triton = triton_runs_on(CPU)
+    assert has_triton == ("triton" in runner.backend._variants(256))
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("attention", [None, "sdpa", "split", "gemm"])  # None: the fastest form, chosen by timing
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("span, lengths", [(4096, [4000]), (32768, [30000, 17, 32768])])
+def test_the_triton_decode_kernels_equal_the_masked_sdpa_on_cuda(dtype, span, lengths):
+    from hybridllm.kvcache.triton_decode import triton_decode_attention
+
+    g = torch.Generator().manual_seed(span)
+    rows = len(lengths)
+    pool_k = torch.randn(rows + 1, 8, span + 1, 64, generator=g).to(CUDA, dtype)
+    pool_v = torch.randn(rows + 1, 8, span + 1, 64, generator=g).to(CUDA, dtype)
+    q = torch.randn(rows, 32, 1, 64, generator=g).to(CUDA, dtype)
+    visible = torch.tensor(lengths, device=CUDA)
+    keys, values = pool_k[:rows, :, :span], pool_v[:rows, :, :span]
+    out = triton_decode_attention(q, keys, values, visible)
+    ref = length_masked_decode_attention(q.float(), keys.float(), values.float(), visible)
+    assert out.dtype == dtype and out.shape == q.shape
+    exact = dtype == torch.float32  # else the output's rounding (half a unit: 2^-9 in bfloat16)
+    torch.testing.assert_close(out.float(), ref, atol=1e-5 if exact else 1e-3, rtol=1e-5 if exact else 2 ** -8)
+
+
+@pytest.mark.cuda
+def test_the_fused_elementwise_kernels_round_as_pytorch_does_on_cuda():
+    """On a GPU (rounding to nearest) the fused kernels are PyTorch's bfloat16 ops to within one
+    unit of the last place (rsqrt's and exp's own last bits)."""
+    from hybridllm.models.layers import RMSNorm, apply_rotary
+    from hybridllm.models.triton_fused import rms_norm, rotate_and_store, silu_and_mul
+
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16
+    x, residual = (torch.randn(4, 1, 2048, generator=g).to(CUDA, dtype) for _ in range(2))
+    norm = RMSNorm(2048, 1e-5).to(CUDA, dtype)
+    norm.weight.data = (1 + torch.randn(2048, generator=g) / 4).to(CUDA, dtype)
+    one_unit = {"rtol": 2 ** -7, "atol": 1e-6}
+    with torch.no_grad():
+        normed, summed = rms_norm(x, norm, residual)
+        assert torch.equal(summed, x + residual)
+        torch.testing.assert_close(normed, norm(summed), **one_unit)
+        gate_up = torch.randn(4, 1, 2 * 8192, generator=g).to(CUDA, dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(silu_and_mul(gate_up), F.silu(gate) * up, **one_unit)
+        qkv = torch.randn(4, 1, 48 * 64, generator=g).to(CUDA, dtype)  # 32 q heads, 8 k, 8 v
+        angles = torch.arange(100.0)[:, None] / (500000.0 ** (torch.arange(32) / 32))  # (positions, 32)
+        cos, sin = (torch.cat((a, a), dim=-1).to(CUDA, dtype) for a in (angles.cos(), angles.sin()))
+        positions, slots, columns = (torch.tensor(v, device=CUDA) for v in ([3, 50, 99, 0], [1, 0, 3, 2], [3, 50, 99, 0]))
+        keys = torch.zeros(4, 8, 128, 64, device=CUDA, dtype=dtype)
+        values = torch.zeros_like(keys)
+        q = rotate_and_store(qkv, cos, sin, positions, slots, columns, keys, values, 32, 8)
+        heads = qkv.view(4, 48, 1, 64)
+        rotated = apply_rotary(heads[:, :40], cos[positions][:, None, None, :], sin[positions][:, None, None, :])
+        assert torch.equal(q, rotated[:, :32])
+        assert torch.equal(keys[slots, :, columns], rotated[:, 32:, 0])
+        assert torch.equal(values[slots, :, columns], heads[:, 40:, 0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("attention", [None, "sdpa", "split", "gemm", "triton"])  # None: the fastest form, chosen by timing
 @pytest.mark.parametrize("n_rows, bucket", [(1, 1), (3, 4)])
 def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, attention):
     model = _model(tiny_models, device=CUDA, dtype=torch.float32)
@@ -256,7 +350,7 @@ def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, 
     bystander = prompts[0][:3] if n_rows > 1 else None  # in the fourth row of bucket 4: must stay untouched
     tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA, bystander=bystander, attention=attention)
     assert backend.captures and backend.captured_keys  # the steps were replayed from captured graphs
-    assert all(set(timings) <= {"sdpa", "split", "gemm"} for timings in backend.attention_choice.values())
+    assert all(set(timings) <= {"sdpa", "split", "gemm", "triton"} for timings in backend.attention_choice.values())
     assert {key[0] for key in backend.captured_keys} == {bucket}
     assert tokens == [_eager_greedy(model, p, steps=12, device=CUDA) for p in prompts]
     assert backend.steps_by_bucket == {bucket: 11}

@@ -19,7 +19,8 @@ the host or branches on data, so on CUDA it is captured once per (batch bucket, 
   captured again on next use (``generation``).
 - Decode attention by measurement: each (bucket, span) is captured with every applicable form of
   the static attention (:data:`DECODE_ATTENTION`: one SDPA call with a length mask, the keys
-  split in chunks, flash-decoding style, or two batched products that read K and V in place), each
+  split in chunks, flash-decoding style, two batched products that read K and V in place, or two
+  Triton kernels that split the keys and read them in place, :mod:`hybridllm.kvcache.triton_decode`), each
   graph is replayed a few times, and the fastest is kept (``attention_choice`` records the
   timings). On the CPU the first form applies.
 
@@ -31,6 +32,8 @@ per sequence. Prefill chunks run the model's own code over the sequence's row.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -41,6 +44,8 @@ from hybridllm.kvcache.attention import (batched_products_decode_attention, laye
                                          length_masked_decode_attention, split_kv_decode_attention)
 from hybridllm.kvcache.base import KVCache, KVSpec, MemoryLedger
 from hybridllm.kvcache.static import StaticKVPool, StaticSlotCache
+from hybridllm.models.layers import RMSNorm, SwiGLU
+from hybridllm.models.llama import DecoderLayer, LlamaForCausalLM
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.backends.eager import EagerBackend
 from hybridllm.runtime.forward_batch import ForwardBatch, ForwardRow
@@ -53,7 +58,7 @@ DENSE_STRATEGIES = ("dynamic",)
 # rows of the input block the static step reads, each (max bucket,) int64
 IDS, POSITIONS, COLUMNS, LENGTHS = range(4)
 # the forms of the static step's attention, tried in this order (the first one serves the CPU)
-DECODE_ATTENTION = ("sdpa", "split", "gemm")
+DECODE_ATTENTION = ("sdpa", "split", "gemm", "triton")
 SPLIT_CHUNKS = (256, 128, 64)  # keys per chunk of the split form: the first that divides the span
 TIMED_REPLAYS = 3
 
@@ -74,10 +79,33 @@ def split_chunk(span: int) -> int | None:
     return next((chunk for chunk in SPLIT_CHUNKS if span % chunk == 0), None)
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton form can run on ``device``: Triton installed, and the device a GPU, or
+    the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, the tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fusable(model: LlamaForCausalLM) -> bool:
+    """Whether the static step can run ``model``'s elementwise chain as the fused Triton kernels
+    (:mod:`hybridllm.models.triton_fused`): plain pre-norm layers (no Gemma norms), SwiGLU, no
+    q/k norms, one rotary table."""
+    return model.rotary.inv_freq.shape[0] == 1 and isinstance(model.model.norm, RMSNorm) and all(
+        type(layer) is DecoderLayer and type(layer.mlp) is SwiGLU and isinstance(layer.self_attn.q_norm, torch.nn.Identity)
+        and isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)
+        for layer in model.layers)
+
+
 def static_decode_attention(variant: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             lengths: torch.Tensor) -> torch.Tensor:
-    """The static step's attention in form ``variant`` ("sdpa", "split" or "gemm"): q (B, H, 1, D)
-    over keys/values (B, Hkv, span, D) with ``lengths`` (B,) visible keys per row -> (B, H, 1, D)."""
+    """The static step's attention in form ``variant`` ("sdpa", "split", "gemm" or "triton"): q
+    (B, H, 1, D) over keys/values (B, Hkv, span, D) with ``lengths`` (B,) visible keys per row ->
+    (B, H, 1, D)."""
+    if variant == "triton":  # imported here: Triton is not a dependency of the CPU paths
+        from hybridllm.kvcache.triton_decode import triton_decode_attention
+
+        return triton_decode_attention(q, keys, values, lengths)
     if variant == "split":
         return split_kv_decode_attention(q, keys, values, lengths, split_chunk(keys.shape[2]))
     if variant == "gemm":
@@ -121,11 +149,14 @@ class CudaGraphBackend(EagerBackend):
         self._cos = self._sin = torch.empty(0)
         self.steps_by_bucket: Counter[int] = Counter()  # static steps run, per batch bucket
         self.attention_variants: tuple[str, ...] = DECODE_ATTENTION  # the forms tried (tests narrow it)
+        # the elementwise chain as fused Triton kernels where they run (tests switch it)
+        self.fused_elementwise = triton_runs_on(self.device) and fusable(model)
         self.attention_choice: dict[tuple[int, int], dict[str, float]] = {}  # (bucket, span) -> ms per form
         self.report.whole_step = True
         self.report.notes.append("cuda-graph: static KV rows, a step per batch bucket "
                                  f"{'/'.join(map(str, BATCH_BUCKETS))} and key span, "
-                                 + ("captured and replayed" if self.captures else "run eagerly (no CUDA)"))
+                                 + ("captured and replayed" if self.captures else "run eagerly (no CUDA)")
+                                 + (", the elementwise chain fused (Triton)" if self.fused_elementwise else ""))
 
     # ---- build-time ----------------------------------------------------------------------
     def check_placement(self, placement: Placement) -> None:
@@ -221,13 +252,16 @@ class CudaGraphBackend(EagerBackend):
         self._generation = pool.generation
 
     def _variants(self, span: int) -> list[str]:
-        """The attention forms that apply to ``span`` keys, in preference order."""
-        return [v for v in self.attention_variants if v != "split" or split_chunk(span) is not None]
+        """The attention forms that apply to ``span`` keys on this device, in preference order."""
+        applies = {"split": split_chunk(span) is not None, "triton": triton_runs_on(self.device)}
+        return [v for v in self.attention_variants if applies.get(v, True)]
 
     def _forward(self, bucket: int, span: int, attention: str) -> torch.Tensor:
         """The static step over the pool's first ``bucket`` rows and ``span`` key columns, its
         attention in form ``attention``: reads only ``self._inputs`` and the pool, returns float32
         logits (bucket, 1, vocab)."""
+        if self.fused_elementwise:
+            return self._forward_fused(bucket, span, attention)
         model, pool = self.model, self.pool
         inputs = self._inputs[:, :bucket]
         ids, positions, columns, lengths = inputs[IDS], inputs[POSITIONS], inputs[COLUMNS], inputs[LENGTHS]
@@ -243,6 +277,30 @@ class CudaGraphBackend(EagerBackend):
             attn = static_decode_attention(attention, q, keys[:bucket, :, :span], values[:bucket, :, :span], lengths)
             x = layer.attention_outputs(x, attn)  # (bucket, 1, hidden)
         return model.head(model.final_norm(x))  # (bucket, 1, vocab)
+
+    def _forward_fused(self, bucket: int, span: int, attention: str) -> torch.Tensor:
+        """:meth:`_forward` with each layer's elementwise chain as three Triton kernels: the
+        residual add and the next norm in one (:func:`~hybridllm.models.triton_fused.rms_norm`),
+        rotary and the KV write in one, silu and the gate product in one."""
+        from hybridllm.models.triton_fused import rms_norm, rotate_and_store, silu_and_mul
+
+        model, pool = self.model, self.pool
+        inputs = self._inputs[:, :bucket]
+        ids, positions, columns, lengths = inputs[IDS], inputs[POSITIONS], inputs[COLUMNS], inputs[LENGTHS]
+        rows = self._row_index[:bucket]
+        layers = model.layers
+        normed, x = rms_norm(model.embed(ids[:, None]), layers[0].input_layernorm)  # (bucket, 1, hidden) each
+        for i, layer in enumerate(layers):
+            attn_module = layer.self_attn
+            keys, values = pool.keys[attn_module.layer_idx], pool.values[attn_module.layer_idx]
+            q = rotate_and_store(attn_module.qkv_proj(normed), self._cos, self._sin, positions, rows, columns,
+                                 keys, values, attn_module.n_heads, attn_module.n_kv_heads)  # (bucket, H, 1, D)
+            attn = static_decode_attention(attention, q, keys[:bucket, :, :span], values[:bucket, :, :span], lengths)
+            normed, x = rms_norm(x, layer.post_attention_layernorm, residual=attn_module.output(attn))
+            mlp_out = layer.mlp.down_proj(silu_and_mul(layer.mlp.gate_up_proj(normed)))  # (bucket, 1, hidden)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            normed, x = rms_norm(x, following, residual=mlp_out)
+        return model.head(normed)  # (bucket, 1, vocab)
 
     def _captured(self, bucket: int, span: int) -> CapturedStep:
         """The step of ``(bucket, span)`` as a CUDA graph, captured on first use: one graph per
