@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_cuda_graph import _eager_greedy, _model_from_folder, _prompts, _static_greedy  # noqa: E402
 
 from hybridllm.kvcache.attention import length_masked_decode_attention  # noqa: E402
-from hybridllm.kvcache.triton_decode import split_count, triton_decode_attention  # noqa: E402
+from hybridllm.kvcache.triton_decode import (COARSE_PROGRAMS, TARGET_PROGRAMS, split_count,  # noqa: E402
+                                             triton_decode_attention)
 from hybridllm.models.layers import RMSNorm, apply_rotary  # noqa: E402
 from hybridllm.models.triton_fused import rms_norm, rotate_and_store, silu_and_mul  # noqa: E402
 
@@ -88,7 +89,7 @@ def check_fused(dtype: torch.dtype) -> None:
 
 
 def check_kernel(dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int, span: int,
-                 lengths: list[int]) -> None:
+                 lengths: list[int], programs: int = TARGET_PROGRAMS) -> None:
     g = torch.Generator().manual_seed(span + head_dim)
     rows = len(lengths)
     pool_k = torch.randn(rows + 1, n_kv_heads, span + 7, head_dim, generator=g).to(dtype)  # wider than the span
@@ -96,14 +97,14 @@ def check_kernel(dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: in
     q = torch.randn(rows, n_heads, 1, head_dim, generator=g).to(dtype)
     keys, values = pool_k[:rows, :, :span], pool_v[:rows, :, :span]  # (B, Hkv, span, D) strided views
     visible = torch.tensor(lengths)
-    out = triton_decode_attention(q, keys, values, visible)
+    out = triton_decode_attention(q, keys, values, visible, programs)
     ref = length_masked_decode_attention(q.float(), keys.float(), values.float(), visible)
     error = (out.float() - ref).abs().max().item()
     # bfloat16: the output's own rounding, which the interpreter truncates (under a unit: 2^-7 of
     # the value), where a GPU rounds to nearest (half a unit)
     rtol = 1e-6 if dtype == torch.float32 else 2 ** -7
     excess = ((out.float() - ref).abs() - rtol * ref.abs()).max().item()
-    splits = split_count(span, rows, n_kv_heads)
+    splits = split_count(span, rows, n_kv_heads, programs)
     print(f"kernel {dtype} H={n_heads} Hkv={n_kv_heads} D={head_dim} span={span} splits={splits} "
           f"lengths={lengths}: max error {error:.2e}")
     if out.shape != q.shape or out.dtype != dtype or not excess <= 1e-5:
@@ -117,12 +118,13 @@ def main() -> None:
     check_kernel(torch.float32, 4, 4, 64, 128, [100])  # no grouping, one row: two splits
     check_kernel(torch.bfloat16, 12, 4, 96, 512, [511, 3, 300])  # a head size of 96 (masked to 128)
     check_kernel(torch.float32, 32, 8, 64, 4096, [4000])  # the 1B shape: 64 splits of one tile
+    check_kernel(torch.float32, 32, 8, 64, 4096, [4000], COARSE_PROGRAMS)  # 16 splits of four tiles
     check_fused(torch.float32)
     check_fused(torch.bfloat16)
     model = _model_from_folder(Path(sys.argv[1]))
     prompts = _prompts(model.config.vocab_size)
     expected = [_eager_greedy(model, p, steps=6) for p in prompts]
-    for attention, fused in (("triton", True), ("triton", False), ("sdpa", True)):
+    for attention, fused in (("triton", True), ("triton", False), ("sdpa", True), ("triton-coarse", True)):
         tokens, backend = _static_greedy(model, prompts, steps=6, attention=attention, fused=fused)
         print(f"static step, {attention} form, fused elementwise {fused}: {tokens} (eager: {expected}); "
               f"steps {dict(backend.steps_by_bucket)}")

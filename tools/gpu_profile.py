@@ -37,9 +37,11 @@ from hybridllm.timing import synchronize
 
 
 def decode_steps(llm: LLM, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
-    """``steps`` greedy decode steps; returns the last token (1, 1)."""
+    """``steps`` greedy decode steps, each token read on the host before the next step, as the
+    engine reads it (so the cuda-graph backend's step launched ahead overlaps that host work as it
+    does in serving); returns the last token (1, 1)."""
     for _ in range(steps):
-        token = llm.runner(token, cache, cache.seq_length)[:, -1].argmax(-1, keepdim=True)
+        token = torch.tensor([[int(llm.runner(token, cache, cache.seq_length)[0, -1].argmax())]])
     return token
 
 

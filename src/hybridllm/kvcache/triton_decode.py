@@ -41,7 +41,11 @@ import triton.language as tl
 
 BLOCK_N = 64  # keys per step of a split's walk
 MIN_BLOCK_G = 16  # query rows per program, padded: the least a tensor-core product takes
-TARGET_PROGRAMS = 512  # splits are added until the grid has about this many programs (~4 per SM on an H100)
+# splits are added until the grid has about this many programs: ~4 per SM of an H100/H200 (each
+# split short, one or two tiles at 4K), or ~1 (longer splits whose loads the compiler pipelines);
+# the cuda-graph backend captures both and keeps the faster ("triton", "triton-coarse")
+TARGET_PROGRAMS = 512
+COARSE_PROGRAMS = 128
 
 LOG2_E = 1.4426950408889634
 
@@ -118,20 +122,21 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def split_count(span: int, rows: int, kv_heads: int) -> int:
-    """Splits of a ``span``-key buffer: enough for ~:data:`TARGET_PROGRAMS` programs over the
-    (row, KV head) pairs, at most one per :data:`BLOCK_N` keys."""
-    wanted = math.ceil(TARGET_PROGRAMS / max(1, rows * kv_heads))
+def split_count(span: int, rows: int, kv_heads: int, programs: int = TARGET_PROGRAMS) -> int:
+    """Splits of a ``span``-key buffer: enough for ~``programs`` programs over the (row, KV head)
+    pairs, at most one per :data:`BLOCK_N` keys."""
+    wanted = math.ceil(programs / max(1, rows * kv_heads))
     return max(1, min(wanted, math.ceil(span / BLOCK_N)))
 
 
 def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            lengths: torch.Tensor) -> torch.Tensor:
+                            lengths: torch.Tensor, programs: int = TARGET_PROGRAMS) -> torch.Tensor:
     """:func:`~hybridllm.kvcache.attention.length_masked_decode_attention` in two Triton kernels.
 
     Args:
         q: (B, H, 1, D); k, v: (B, Hkv, S, D) views of the buffer (their last dimension dense);
             lengths: (B,) int64 in 1..S (keys 0 .. length - 1 are visible).
+        programs: about how many programs the first kernel runs (see :data:`TARGET_PROGRAMS`).
     Returns:
         (B, H, 1, D) in q's dtype.
     """
@@ -143,7 +148,7 @@ def triton_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q3 = q.reshape(batch, n_heads, head_dim)  # (B, H, D): q_len 1 dropped (a view of a dense q)
     if q3.stride(-1) != 1:
         q3 = q3.contiguous()
-    n_splits = split_count(span, batch, n_kv_heads)
+    n_splits = split_count(span, batch, n_kv_heads, programs)
     keys_per_split = math.ceil(math.ceil(span / n_splits) / BLOCK_N) * BLOCK_N
     parts = torch.empty(batch, n_heads, n_splits, head_dim, dtype=torch.float32, device=q.device)  # (B, H, splits, D)
     lse = torch.empty(batch, n_heads, n_splits, dtype=torch.float32, device=q.device)  # (B, H, splits), base 2

@@ -24,6 +24,14 @@ the host or branches on data, so on CUDA it is captured once per (batch bucket, 
   graph is replayed a few times, and the fastest is kept (``attention_choice`` records the
   timings). On the CPU the first form applies.
 
+- The elementwise chain between the products (norms, residual adds, rotary and the KV write,
+  SwiGLU's gate) as three fused Triton kernels where Triton runs and the model is plain
+  (:func:`fusable`; :mod:`hybridllm.models.triton_fused`).
+- One step ahead (:mod:`~hybridllm.runtime.backends.lookahead`): on CUDA, right after a step the
+  next one is launched on a side stream with each row's argmax as its token, so the host's
+  sampling and bookkeeping overlap the device's next step; the engine's next call takes its
+  logits when its tokens are the guess, else the step runs as usual.
+
 Placement: every layer, the embedding and the head on the device, dense KV (``dynamic``),
 decoding on the device (:meth:`CudaGraphBackend.check_placement`). The runtime asks the backend
 for its caches (:meth:`CudaGraphBackend.new_cache`): a :class:`~hybridllm.kvcache.static.StaticSlotCache`
@@ -48,6 +56,7 @@ from hybridllm.models.layers import RMSNorm, SwiGLU
 from hybridllm.models.llama import DecoderLayer, LlamaForCausalLM
 from hybridllm.placement.placement import Placement
 from hybridllm.runtime.backends.eager import EagerBackend
+from hybridllm.runtime.backends.lookahead import AheadStep, LookaheadPolicy, argmax_rows
 from hybridllm.runtime.forward_batch import ForwardBatch, ForwardRow
 from hybridllm.runtime.placed_model import PlacedModel
 
@@ -58,7 +67,7 @@ DENSE_STRATEGIES = ("dynamic",)
 # rows of the input block the static step reads, each (max bucket,) int64
 IDS, POSITIONS, COLUMNS, LENGTHS = range(4)
 # the forms of the static step's attention, tried in this order (the first one serves the CPU)
-DECODE_ATTENTION = ("sdpa", "split", "gemm", "triton")
+DECODE_ATTENTION = ("sdpa", "split", "gemm", "triton", "triton-coarse")
 SPLIT_CHUNKS = (256, 128, 64)  # keys per chunk of the split form: the first that divides the span
 TIMED_REPLAYS = 3
 
@@ -99,13 +108,14 @@ def fusable(model: LlamaForCausalLM) -> bool:
 
 def static_decode_attention(variant: str, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             lengths: torch.Tensor) -> torch.Tensor:
-    """The static step's attention in form ``variant`` ("sdpa", "split", "gemm" or "triton"): q
+    """The static step's attention in form ``variant`` (one of :data:`DECODE_ATTENTION`): q
     (B, H, 1, D) over keys/values (B, Hkv, span, D) with ``lengths`` (B,) visible keys per row ->
     (B, H, 1, D)."""
-    if variant == "triton":  # imported here: Triton is not a dependency of the CPU paths
-        from hybridllm.kvcache.triton_decode import triton_decode_attention
+    if variant in ("triton", "triton-coarse"):  # imported here: Triton is not a dependency of the CPU paths
+        from hybridllm.kvcache.triton_decode import COARSE_PROGRAMS, TARGET_PROGRAMS, triton_decode_attention
 
-        return triton_decode_attention(q, keys, values, lengths)
+        programs = COARSE_PROGRAMS if variant == "triton-coarse" else TARGET_PROGRAMS
+        return triton_decode_attention(q, keys, values, lengths, programs)
     if variant == "split":
         return split_kv_decode_attention(q, keys, values, lengths, split_chunk(keys.shape[2]))
     if variant == "gemm":
@@ -151,12 +161,19 @@ class CudaGraphBackend(EagerBackend):
         self.attention_variants: tuple[str, ...] = DECODE_ATTENTION  # the forms tried (tests narrow it)
         # the elementwise chain as fused Triton kernels where they run (tests switch it)
         self.fused_elementwise = triton_runs_on(self.device) and fusable(model)
+        # the next step launched ahead on the greedy guess (lookahead.py): on CUDA, where the host's
+        # work then overlaps the device's; on the CPU it would only add work (tests switch it on)
+        self.lookahead = self.captures
+        self.lookahead_policy = LookaheadPolicy()
+        self._ahead: AheadStep | None = None
+        self._side_stream = torch.cuda.Stream(self.device) if self.captures else None
         self.attention_choice: dict[tuple[int, int], dict[str, float]] = {}  # (bucket, span) -> ms per form
         self.report.whole_step = True
         self.report.notes.append("cuda-graph: static KV rows, a step per batch bucket "
                                  f"{'/'.join(map(str, BATCH_BUCKETS))} and key span, "
                                  + ("captured and replayed" if self.captures else "run eagerly (no CUDA)")
-                                 + (", the elementwise chain fused (Triton)" if self.fused_elementwise else ""))
+                                 + (", the elementwise chain fused (Triton)" if self.fused_elementwise else "")
+                                 + (", each step launched one ahead on the greedy guess" if self.lookahead else ""))
 
     # ---- build-time ----------------------------------------------------------------------
     def check_placement(self, placement: Placement) -> None:
@@ -173,6 +190,7 @@ class CudaGraphBackend(EagerBackend):
 
     def new_cache(self, spec: KVSpec, ledger: MemoryLedger) -> KVCache:
         """A sequence's cache: a row of the one pool every sequence of this model shares."""
+        self._join_ahead()  # a new row may grow the pool: after any step in flight on the side stream
         if self.pool is None:
             self.pool = StaticKVPool(spec)
         elif self.pool.spec != spec:
@@ -188,6 +206,7 @@ class CudaGraphBackend(EagerBackend):
     def step(self, batch: ForwardBatch) -> list[torch.Tensor]:
         """The one-token rows of this backend's static caches in one static step (a captured
         graph on CUDA); every other row (prefill chunks, several tokens) walks the layers."""
+        self._join_ahead()
         rows = batch.rows
         out: list[torch.Tensor | None] = [None] * len(rows)
         singles = [i for i, row in enumerate(rows) if row.n_tokens == 1]
@@ -197,6 +216,7 @@ class CudaGraphBackend(EagerBackend):
                 out[i] = logits[j]  # (1, vocab)
         rest = [i for i in range(len(rows)) if out[i] is None]
         if rest:
+            self._join_ahead()  # the walk may grow the pool (freeing the buffers a step ahead uses)
             for i, row_logits in zip(rest, self.walk_rows([rows[i] for i in rest])):
                 out[i] = row_logits
         return out
@@ -215,20 +235,90 @@ class CudaGraphBackend(EagerBackend):
         longest = max(cache.seq_length for cache in caches) + 1
         pool.ensure_capacity(longest)
         self._follow_pool()
-        step_inputs = self._padding[:, :bucket].clone()  # (4, bucket)
-        for slot, cache, row in zip(slots, caches, rows):
-            position = cache.advance_all()
-            step_inputs[:, slot] = torch.tensor([int(row.token_ids[0]), position, position, position + 1])
-        span = key_span(longest, pool.capacity)
+        positions = [cache.seq_length for cache in caches]
+        tokens = [int(row.token_ids[0]) for row in rows]
+        ahead, self._ahead = self._ahead, None
+        key = (pool.generation, bucket, tuple(zip(slots, positions)))
+        logits = self._taken_ahead(ahead, key, slots, tokens)
+        for cache in caches:
+            cache.advance_all()
         self.steps_by_bucket[bucket] += 1
-        captured = self._captured(bucket, span) if self.captures else None
-        self._inputs[:, :bucket].copy_(step_inputs)
-        if captured is not None:
-            captured.graph.replay()
-            logits = captured.logits  # (bucket, 1, vocab)
-        else:
-            logits = self._forward(bucket, span, self._variants(span)[0])
-        return logits.index_select(0, torch.tensor(slots, device=logits.device))  # (B, 1, vocab), batch order
+        if logits is None:
+            self._write_inputs(bucket, slots, positions, tokens)
+            logits = self._run(bucket, key_span(longest, pool.capacity))
+        out = logits.index_select(0, self._to_device(torch.tensor(slots)))  # (B, 1, vocab), batch order
+        if self.lookahead and longest < pool.capacity and self.lookahead_policy.wants_guess():
+            self._ahead = self._run_ahead(bucket, slots, [p + 1 for p in positions], logits,
+                                          key_span(longest + 1, pool.capacity))
+        return out
+
+    def _write_inputs(self, bucket: int, slots: list[int], positions: list[int], tokens: list[int] | None) -> None:
+        """The input block of a step over the first ``bucket`` rows: each slot's token (None: left
+        for the device to write), position, column and visible keys; the other rows padded."""
+        step_inputs = self._padding[:, :bucket].clone()  # (4, bucket)
+        table = step_inputs.numpy()
+        for i, (slot, position) in enumerate(zip(slots, positions)):
+            table[:, slot] = (0 if tokens is None else tokens[i], position, position, position + 1)
+        self._inputs[:, :bucket].copy_(self._to_device(step_inputs))
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the device without waiting for the stream: through pinned memory, copied
+        without blocking (a plain copy from pageable memory synchronizes the stream, which after
+        :meth:`_join_ahead` means waiting for the step in flight: no overlap)."""
+        if not self.captures:
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _run(self, bucket: int, span: int) -> torch.Tensor:
+        """The step over the input block: a graph replay on CUDA (its logits buffer, (bucket, 1,
+        vocab)), the step itself on the CPU."""
+        if not self.captures:
+            return self._forward(bucket, span, self._variants(span)[0])
+        captured = self._captured(bucket, span)
+        captured.graph.replay()
+        return captured.logits
+
+    # ---- one step ahead (lookahead.py) ---------------------------------------------------------
+    def _taken_ahead(self, ahead: AheadStep | None, key: tuple, slots: list[int], tokens: list[int]
+                     ) -> torch.Tensor | None:
+        """The logits of the step launched ahead when it is this step (the same rows at the same
+        positions, the engine's tokens equal to the guess), else None (the guess is dropped)."""
+        if ahead is None or ahead.key != key:
+            return None
+        if ahead.guessed(slots) != tokens:
+            self.lookahead_policy.miss()
+            return None
+        self.lookahead_policy.hit()
+        return ahead.logits
+
+    def _run_ahead(self, bucket: int, slots: list[int], positions: list[int], logits: torch.Tensor,
+                   span: int) -> AheadStep:
+        """Launch the step after this one, each row's token the argmax of its ``logits`` (bucket, 1,
+        vocab), written into the input block on the device; on CUDA on the side stream (the
+        engine's sampling of this step goes on meanwhile), on the CPU at once."""
+        key = (self.pool.generation, bucket, tuple(zip(slots, positions)))
+        if self.captures:
+            self._captured(bucket, span)  # a capture first: it pads the input block
+        guess = argmax_rows(logits[:, 0])  # (bucket,) on the device
+        self._write_inputs(bucket, slots, positions, None)
+        self._inputs[IDS, :bucket].copy_(guess)
+        if not self.captures:
+            return AheadStep(key, guess, None, self._run(bucket, span))
+        guess_host = torch.empty(bucket, dtype=torch.long, pin_memory=True)
+        guess_host.copy_(guess, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            ahead_logits = self._run(bucket, span)
+        return AheadStep(key, guess_host, copied, ahead_logits)
+
+    def _join_ahead(self) -> None:
+        """Order what the current stream does next after the step in flight on the side stream
+        (no host wait): it writes the pool and the logits buffers the next work reads or frees."""
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
 
     def _follow_pool(self) -> None:
         """After the pool reallocated: drop the graphs over the old buffers, rebuild the rotary
@@ -253,7 +343,8 @@ class CudaGraphBackend(EagerBackend):
 
     def _variants(self, span: int) -> list[str]:
         """The attention forms that apply to ``span`` keys on this device, in preference order."""
-        applies = {"split": split_chunk(span) is not None, "triton": triton_runs_on(self.device)}
+        triton = triton_runs_on(self.device)
+        applies = {"split": split_chunk(span) is not None, "triton": triton, "triton-coarse": triton}
         return [v for v in self.attention_variants if applies.get(v, True)]
 
     def _forward(self, bucket: int, span: int, attention: str) -> torch.Tensor:
