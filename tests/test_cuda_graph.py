@@ -160,12 +160,12 @@ def _eager_greedy(model, prompt: list[int], steps: int, device: torch.device = C
 
 def _static_greedy(model, prompts: list[list[int]], steps: int, device: torch.device = CPU,
                    bystander: list[int] | None = None, attention: str | None = None, fused: bool | None = None,
-                   lookahead: bool | None = None):
+                   lookahead: bool | None = None, step_tokens: int | None = None):
     """Greedy tokens of ``prompts`` decoded as one batch through the cuda-graph backend; a
     ``bystander`` prompt is prefilled into a row inside the bucket but never decoded;
     ``attention`` narrows the static attention to one form; ``fused`` switches the fused
-    elementwise kernels on or off, ``lookahead`` the step launched ahead (None: the backend's
-    choice)."""
+    elementwise kernels on or off, ``lookahead`` the step launched ahead; ``step_tokens`` sets the
+    longest row that goes through the static step token by token (None: the backend's choice)."""
     runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(device), "cuda-graph")
     backend = runner.backend
     if attention is not None:
@@ -174,6 +174,8 @@ def _static_greedy(model, prompts: list[list[int]], steps: int, device: torch.de
         backend.fused_elementwise = fused
     if lookahead is not None:
         backend.lookahead = lookahead
+    if step_tokens is not None:
+        backend.step_tokens_max = step_tokens
     ledger = MemoryLedger()
     spec = _spec(model.config, device, model.compute_dtype)
     caches = [backend.new_cache(spec, ledger) for _ in prompts]
@@ -219,6 +221,36 @@ def test_a_batch_of_three_padded_to_four_gives_each_rows_eager_tokens(tiny_model
     policy = backend.lookahead_policy
     assert (policy.hits, policy.misses) == ((6, 0) if lookahead else (0, 0))  # 7 decode steps: every one after the first
     assert backend.steps_by_bucket == {4: 7}
+
+
+@pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.cuda)], ids=str)
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_short_prompts_go_token_by_token_through_the_static_step(tiny_models, lookahead, device):
+    """Prompts of at most ``step_tokens_max`` tokens (here 5, 9 and 13, and a 3-token bystander)
+    prefill through the static step, one token of every prompt per step, instead of a walk each;
+    the greedy tokens are the eager backend's and the bystander's KV is untouched by the decode."""
+    model = _model(tiny_models, device=device)
+    prompts = _prompts(model.config.vocab_size)
+    tokens, backend = _static_greedy(model, prompts, steps=8, device=device, bystander=prompts[0][:3],
+                                     lookahead=lookahead, step_tokens=16)
+    assert tokens == [_eager_greedy(model, p, steps=8, device=device) for p in prompts]
+    # each prompt its own prefill call (5, 9, 13 and 3 steps in buckets 1, 2, 4 and 4), then 7 decode steps
+    assert backend.steps_by_bucket == {1: 5, 2: 9, 4: 13 + 3 + 7}
+
+
+def test_a_row_of_several_tokens_wanting_every_logit_gets_them_from_the_steps(tiny_models):
+    model = _model(tiny_models)
+    prompt = _prompts(model.config.vocab_size)[2]  # 13 tokens
+    logits = {}
+    for step_tokens in (1, 16):  # the walk, then the static step token by token
+        runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), "cuda-graph")
+        runner.backend.step_tokens_max = step_tokens
+        cache = runner.backend.new_cache(_spec(model.config), MemoryLedger())
+        with torch.inference_mode():
+            logits[step_tokens] = runner(torch.tensor([prompt]), cache, 0, all_logits=True)  # (1, 13, vocab)
+        assert cache.seq_length == 13
+    assert logits[16].shape == logits[1].shape == (1, 13, model.config.vocab_size)
+    torch.testing.assert_close(logits[16], logits[1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.cuda)], ids=str)
@@ -411,7 +443,8 @@ def test_graph_replay_equals_eager_token_for_token(tiny_models, n_rows, bucket, 
     model = _model(tiny_models, device=CUDA, dtype=torch.float32)
     prompts = _prompts(model.config.vocab_size)[:n_rows]
     bystander = prompts[0][:3] if n_rows > 1 else None  # in the fourth row of bucket 4: must stay untouched
-    tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA, bystander=bystander, attention=attention)
+    tokens, backend = _static_greedy(model, prompts, steps=12, device=CUDA, bystander=bystander, attention=attention,
+                                     step_tokens=1)  # prompts walk the layers: every static step is a decode step
     assert backend.captures and backend.captured_keys  # the steps were replayed from captured graphs
     assert all(set(timings) <= set(DECODE_ATTENTION) for timings in backend.attention_choice.values())
     assert {key[0] for key in backend.captured_keys} == {bucket}

@@ -70,6 +70,7 @@ IDS, POSITIONS, COLUMNS, LENGTHS = range(4)
 DECODE_ATTENTION = ("sdpa", "split", "gemm", "triton", "triton-coarse")
 SPLIT_CHUNKS = (256, 128, 64)  # keys per chunk of the split form: the first that divides the span
 TIMED_REPLAYS = 3
+STEP_TOKENS_MAX = 16  # rows of at most this many tokens go through the static step token by token (on CUDA)
 
 
 def batch_bucket(rows: int) -> int | None:
@@ -167,6 +168,11 @@ class CudaGraphBackend(EagerBackend):
         self.lookahead_policy = LookaheadPolicy()
         self._ahead: AheadStep | None = None
         self._side_stream = torch.cuda.Stream(self.device) if self.captures else None
+        # rows of at most this many tokens (short prompts, verified drafts) go token by token through
+        # the static step, batched with the others, instead of a walk of their own: on CUDA a walk is
+        # ~500 launches (~20 ms on the H200's host at any short length), a replay ~1.2 ms per token
+        # for a whole batch (16 prompts arriving together: one walk each was 0.32 s of TTFT)
+        self.step_tokens_max = STEP_TOKENS_MAX if self.captures else 1
         self.attention_choice: dict[tuple[int, int], dict[str, float]] = {}  # (bucket, span) -> ms per form
         self.report.whole_step = True
         self.report.notes.append("cuda-graph: static KV rows, a step per batch bucket "
@@ -204,16 +210,16 @@ class CudaGraphBackend(EagerBackend):
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, batch: ForwardBatch) -> list[torch.Tensor]:
-        """The one-token rows of this backend's static caches in one static step (a captured
-        graph on CUDA); every other row (prefill chunks, several tokens) walks the layers."""
+        """The rows of this backend's static caches through the static step (a captured graph on
+        CUDA): one-token rows in one step, and short rows (prompts of at most
+        :attr:`step_tokens_max` tokens, verified drafts) token by token in steps shared with the
+        others; every other row (longer prefill chunks) walks the layers."""
         self._join_ahead()
         rows = batch.rows
         out: list[torch.Tensor | None] = [None] * len(rows)
-        singles = [i for i, row in enumerate(rows) if row.n_tokens == 1]
-        logits = self._static_step([rows[i] for i in singles]) if singles else None
-        if logits is not None:
-            for j, i in enumerate(singles):
-                out[i] = logits[j]  # (1, vocab)
+        stepped = [i for i, row in enumerate(rows) if row.n_tokens <= max(1, self.step_tokens_max)]
+        for i, row_logits in zip(stepped, self._static_steps([rows[i] for i in stepped]) or []):
+            out[i] = row_logits
         rest = [i for i in range(len(rows)) if out[i] is None]
         if rest:
             self._join_ahead()  # the walk may grow the pool (freeing the buffers a step ahead uses)
@@ -221,22 +227,39 @@ class CudaGraphBackend(EagerBackend):
                 out[i] = row_logits
         return out
 
-    def _static_step(self, rows: list[ForwardRow]) -> torch.Tensor | None:
-        """Logits (B, 1, vocab) of one-token rows in batch order, or None (a row's cache is not a
-        row of the pool, or the batch needs more rows than the largest bucket)."""
+    def _static_steps(self, rows: list[ForwardRow]) -> list[torch.Tensor] | None:
+        """Each row's logits ((T or 1, vocab), as ``walk_rows`` gives them) from as many static
+        steps as its longest row has tokens: step j runs token j of every row that has one. None
+        when the pool cannot serve them (a row's cache is not a row of the pool, or more rows than
+        the largest bucket)."""
+        if not rows:
+            return None
         caches = [row.cache for row in rows]
         if self.pool is None or not all(isinstance(c, StaticSlotCache) and c.pool is self.pool for c in caches):
             return None
+        if batch_bucket(max(cache.slot() for cache in caches) + 1) is None:
+            return None  # more rows than the largest bucket: the eager walk serves them
+        n_steps = max(row.n_tokens for row in rows)
+        collected: list[list[torch.Tensor]] = [[] for _ in rows]
+        for j in range(n_steps):
+            now = [k for k, row in enumerate(rows) if j < row.n_tokens]
+            logits = self._static_step([caches[k] for k in now], [int(rows[k].token_ids[j]) for k in now],
+                                       look_ahead=j == n_steps - 1)  # (B, 1, vocab); a guess only after a row's last token
+            for k, row_logits in zip(now, logits):
+                collected[k].append(row_logits)  # (1, vocab)
+        return [torch.cat(steps) if row.all_logits else steps[-1] for row, steps in zip(rows, collected)]
+
+    def _static_step(self, caches: list[StaticSlotCache], tokens: list[int], look_ahead: bool = True) -> torch.Tensor:
+        """Logits (B, 1, vocab) of one token per cache (rows of the pool, at most the largest
+        bucket) in one static step, in batch order; then, with ``look_ahead``, the next step
+        launched ahead on the greedy guess."""
         pool = self.pool
         slots = [cache.slot() for cache in caches]
         bucket = batch_bucket(max(slots) + 1)
-        if bucket is None:  # more rows than the largest bucket: the eager walk serves it
-            return None
         longest = max(cache.seq_length for cache in caches) + 1
         pool.ensure_capacity(longest)
         self._follow_pool()
         positions = [cache.seq_length for cache in caches]
-        tokens = [int(row.token_ids[0]) for row in rows]
         ahead, self._ahead = self._ahead, None
         key = (pool.generation, bucket, tuple(zip(slots, positions)))
         logits = self._taken_ahead(ahead, key, slots, tokens)
@@ -247,7 +270,7 @@ class CudaGraphBackend(EagerBackend):
             self._write_inputs(bucket, slots, positions, tokens)
             logits = self._run(bucket, key_span(longest, pool.capacity))
         out = logits.index_select(0, self._to_device(torch.tensor(slots)))  # (B, 1, vocab), batch order
-        if self.lookahead and longest < pool.capacity and self.lookahead_policy.wants_guess():
+        if look_ahead and self.lookahead and longest < pool.capacity and self.lookahead_policy.wants_guess():
             self._ahead = self._run_ahead(bucket, slots, [p + 1 for p in positions], logits,
                                           key_span(longest + 1, pool.capacity))
         return out
