@@ -66,7 +66,7 @@ class RequestEvents:
         self._lock = threading.Lock()
         self._held = 0  # handed over by the loop thread, not taken yet
         self._paused = False
-        self._changed = asyncio.Event()  # set at each event taken and at a pause (wakes the stall watch)
+        self._changed = asyncio.Event()  # set at a pause and at each event taken while paused (wakes the stall watch)
         self._last_taken = time.monotonic()
 
     @property
@@ -101,11 +101,13 @@ class RequestEvents:
         event = await self._queue.get()
         with self._lock:
             self._held -= 1
+            was_paused = self._paused
             if self._paused and self._held <= self.capacity // 2:
                 self._paused = False
                 self.scheduler.resume(self.request_id)
             self._last_taken = time.monotonic()
-        self._changed.set()
+        if was_paused:  # the stall watch restarts its clock, or goes back to waiting for a pause
+            self._changed.set()  # (not at every event: a wake-up of the watch per token, for nothing)
         return event
 
     async def stalled(self) -> None:
