@@ -43,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -267,8 +268,8 @@ class CudaGraphBackend(EagerBackend):
             cache.advance_all()
         self.steps_by_bucket[bucket] += 1
         if logits is None:
-            self._write_inputs(bucket, slots, positions, tokens)
-            logits = self._run(bucket, key_span(longest, pool.capacity))
+            logits = self._run(bucket, key_span(longest, pool.capacity),
+                               lambda: self._write_inputs(bucket, slots, positions, tokens))
         out = logits.index_select(0, self._to_device(torch.tensor(slots)))  # (B, 1, vocab), batch order
         if look_ahead and self.lookahead and longest < pool.capacity and self.lookahead_policy.wants_guess():
             self._ahead = self._run_ahead(bucket, slots, [p + 1 for p in positions], logits,
@@ -292,12 +293,18 @@ class CudaGraphBackend(EagerBackend):
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _run(self, bucket: int, span: int) -> torch.Tensor:
-        """The step over the input block: a graph replay on CUDA (its logits buffer, (bucket, 1,
-        vocab)), the step itself on the CPU."""
-        if not self.captures:
+    def _run(self, bucket: int, span: int, write_inputs: Callable[[], None]) -> torch.Tensor:
+        """The step over the input block that ``write_inputs`` fills: a graph replay on CUDA (its
+        logits buffer, (bucket, 1, vocab)), the step itself on the CPU.
+
+        The inputs are written after the graph is captured: a capture (on a key's first use) pads
+        the input block for its warm-up and timed replays (the first H200 run of this code wrote
+        them before and replayed each fresh capture over padding).
+        """
+        captured = self._captured(bucket, span) if self.captures else None
+        write_inputs()
+        if captured is None:
             return self._forward(bucket, span, self._variants(span)[0])
-        captured = self._captured(bucket, span)
         captured.graph.replay()
         return captured.logits
 
@@ -320,13 +327,15 @@ class CudaGraphBackend(EagerBackend):
         vocab), written into the input block on the device; on CUDA on the side stream (the
         engine's sampling of this step goes on meanwhile), on the CPU at once."""
         key = (self.pool.generation, bucket, tuple(zip(slots, positions)))
-        if self.captures:
-            self._captured(bucket, span)  # a capture first: it pads the input block
         guess = argmax_rows(logits[:, 0])  # (bucket,) on the device
-        self._write_inputs(bucket, slots, positions, None)
-        self._inputs[IDS, :bucket].copy_(guess)
+
+        def write_inputs() -> None:
+            self._write_inputs(bucket, slots, positions, None)
+            self._inputs[IDS, :bucket].copy_(guess)
+
         if not self.captures:
-            return AheadStep(key, guess, None, self._run(bucket, span))
+            return AheadStep(key, guess, None, self._run(bucket, span, write_inputs))
+        self._captured(bucket, span)  # a first use captures here, on the current stream, not the side one
         guess_host = torch.empty(bucket, dtype=torch.long, pin_memory=True)
         guess_host.copy_(guess, non_blocking=True)
         copied = torch.cuda.Event()
@@ -334,7 +343,7 @@ class CudaGraphBackend(EagerBackend):
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            ahead_logits = self._run(bucket, span)
+            ahead_logits = self._run(bucket, span, write_inputs)
         return AheadStep(key, guess_host, copied, ahead_logits)
 
     def _join_ahead(self) -> None:
