@@ -342,6 +342,7 @@ class CudaGraphBackend(EagerBackend):
         copied.record()
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
+        guess.record_stream(side)  # made on this stream, read on the side one: not reused before that
         with torch.cuda.stream(side):
             ahead_logits = self._run(bucket, span, write_inputs)
         return AheadStep(key, guess_host, copied, ahead_logits)
