@@ -120,9 +120,12 @@ def test_the_device_run_has_the_dry_runs_stages_and_flags(gpu_run, tmp_path):
     for device_stage, dry_stage in zip(device, dry):
         device_commands = device_stage.commands(device_stage.cap_s)
         dry_commands = dry_stage.commands(dry_stage.cap_s)
-        if device_stage.name == "setup":  # the kit's setup.sh first and nvidia-smi last: on the device only
+        if device_stage.name == "setup":  # the kit's setup.sh first, carried py-spy wheels (if any) and
+            # nvidia-smi last: on the device only
             assert device_commands[0] == ["bash", str(kit / "setup.sh")] and device_commands[-1] == ["nvidia-smi"]
-            device_commands = device_commands[1:-1]
+            carried = [c for c in device_commands if c[-1].endswith(".whl")]
+            assert all("py_spy-" in c[-1] and "--no-index" in c for c in carried)
+            device_commands = [c for c in device_commands[1:-1] if c not in carried]
         assert [flags(c) for c in device_commands] == [flags(c) for c in dry_commands], device_stage.name
         assert len(device_stage.outputs) == len(dry_stage.outputs)
     bench = next(s for s in device if s.name == "long_context").commands(300)[0]

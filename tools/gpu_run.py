@@ -64,6 +64,8 @@ BENCH_EAGER = "bench_eager"
 BENCH_TIERED = "bench_tiered"
 PROFILE_DIR = "profile"
 SERVER_STREAMS_JSON = "server_streams.json"
+SERVER_PROFILE = "server_profile"  # py-spy's samples of the server per burst, where py-spy is installed
+CARRIED_WHEELS = ".whl"  # wheels a device call carries (git-ignored; docs/benchmarks.md, "How to run it")
 LONG_CONTEXT = "long_context"
 TABLE = "table"
 
@@ -179,6 +181,9 @@ def stages(plan: Plan, out: Path) -> list[Stage]:
 
     def setup(limit_s: float) -> list[list[str]]:
         kit = [["bash", str(plan.kit / "setup.sh")]] if plan.kit else []
+        # a carried py-spy wheel (the image has none): the server stage samples the server with it
+        kit += [[PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheel)]
+                for wheel in sorted((ROOT / CARRIED_WHEELS).glob("py_spy-*.whl")) if plan.kit]
         smi = [["nvidia-smi"]] if plan.device.startswith("cuda") else []
         return [*kit, [PYTHON, "tools/gpu_probe.py", str(out / SETUP_JSON)],
                 [PYTHON, "-m", "hybridllm.cli", "--help"], *smi]
@@ -190,6 +195,7 @@ def stages(plan: Plan, out: Path) -> list[Stage]:
                  "--dtype", plan.dtype],
                 [PYTHON, "tools/load_test.py", "--compare", "1", "--concurrency", str(plan.streams),
                  "--requests", str(plan.streams), "--max-tokens", str(plan.stream_tokens), "--warmup-burst",
+                 "--profile", str(out / SERVER_PROFILE),
                  "--time-limit", f"{max(limit_s / 2, 10):.0f}", *(f"--serve-arg={arg}" for arg in serve),
                  "--json", str(out / SERVER_STREAMS_JSON)]]
 

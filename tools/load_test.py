@@ -21,6 +21,10 @@ Prints requests/s, generated tokens/s, TTFT and latency percentiles and the fail
 time (``--concurrency 1 --max-batch 1``); it prints every round and the ratio of the median
 throughputs (alternating keeps a machine whose speed drifts from favouring either side).
 
+``--profile DIR`` samples the server this script started with py-spy during each measured burst
+(``hybridllm.bench.spy``: the Python that held the GIL, per thread) and writes the raw samples
+and a summary per burst under DIR; without py-spy it says so and measures as usual.
+
 The requests and the server start are ``hybridllm.bench.serve_load``'s (``bench --preset spec``
 uses them too); this file is their command line.
 """
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from hybridllm.bench.spy import Sampler, summarize
 from hybridllm.bench.serve_load import (
     LOOPBACK,
     MAX_CONCURRENCY,
@@ -48,8 +53,9 @@ from hybridllm.bench.serve_load import (
 )
 
 
-def burst(args: argparse.Namespace, concurrency: int, max_batch: int) -> dict[str, Any]:
-    """One burst against ``args.url``, or against a server started (and stopped) for it."""
+def burst(args: argparse.Namespace, concurrency: int, max_batch: int, label: str = "burst") -> dict[str, Any]:
+    """One burst against ``args.url``, or against a server started (and stopped) for it (sampled
+    by py-spy into ``args.profile``/``label``.* with ``--profile``)."""
     proc = None
     if args.url:
         url = args.url.rstrip("/")
@@ -62,7 +68,18 @@ def burst(args: argparse.Namespace, concurrency: int, max_batch: int) -> dict[st
         model = warm_up(url, args.model)
         if args.warmup_burst:  # the burst's own shape once, not measured: every batch size and length seen
             asyncio.run(run_load(url, model, concurrency, concurrency, args.max_tokens, args.time_limit))
-        result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
+        if args.profile is not None and proc is not None:
+            with Sampler(proc.pid, args.profile / f"{label}.raw") as sampler:
+                result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
+            if sampler.error is None:
+                summary = args.profile / f"{label}.txt"
+                summary.write_text(summarize(sampler.path))
+                result["profile"] = str(summary)
+            else:
+                result["profile_error"] = sampler.error
+                print(f"no profile of {label}: {sampler.error}", file=sys.stderr)
+        else:
+            result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
     finally:
         if proc is not None:
             stop_server(proc)
@@ -88,7 +105,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.compare):
         for name, concurrency, max_batch in (("batched", args.concurrency, args.concurrency),
                                              ("one_at_a_time", 1, 1)):
-            result = burst(args, concurrency, max_batch)
+            result = burst(args, concurrency, max_batch, f"{name}-{i + 1}")
             rounds[name].append(result)
             print(f"round {i + 1} {name:>14}: {result['wall_s']:6.2f} s, "
                   f"{result['generated_tokens_per_s']:7.1f} generated tok/s, {result['failed']} failed", flush=True)
@@ -123,6 +140,8 @@ def main() -> None:
                         help="before measuring, one unmeasured burst of --concurrency requests of --max-tokens "
                              "(a cuda-graph server captures its batch sizes and key spans there, not in the measure)")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="sample the started server with py-spy during each measured burst; summaries under DIR")
     args = parser.parse_args()
     if not 1 <= args.requests <= MAX_REQUESTS or not 1 <= args.concurrency <= MAX_CONCURRENCY:
         parser.error(f"--requests must be in 1..{MAX_REQUESTS} and --concurrency in 1..{MAX_CONCURRENCY}")
@@ -130,6 +149,8 @@ def main() -> None:
         parser.error("--url must be a loopback address")
     if args.compare and args.url:
         parser.error("--compare starts its own servers (one per burst); drop --url")
+    if args.profile and args.url:
+        parser.error("--profile samples the server this script starts; drop --url")
     if args.compare:
         result = compare(args)
     else:
