@@ -355,15 +355,16 @@ CUDA = torch.device("cuda")
 @pytest.mark.slow
 def test_the_triton_form_runs_in_triton_s_interpreter(tiny_models):
     """The Triton kernels on CPU tensors (``TRITON_INTERPRET=1``, in a process of its own): the
-    kernel against the length-masked SDPA, then a tiny model's greedy tokens through the static
-    step with the Triton form alone equal the eager backend's (``tests/triton_interpreted.py``)."""
+    kernels against the PyTorch ops they replace, then tiny Llama-3, Qwen2 (QKV bias) and Phi-3
+    (partial rotary) models' greedy tokens through the static step with the Triton attention and
+    the fused kernels equal the eager backend's (``tests/triton_interpreted.py``)."""
     pytest.importorskip("triton")
     script = Path(__file__).with_name("triton_interpreted.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script), str(tiny_models["llama3"][0])], env=env,
-                          capture_output=True, text=True, timeout=600)
+    folders = [str(tiny_models[arch][0]) for arch in ("llama3", "qwen2", "phi3_partial")]  # QKV bias, partial rotary
+    done = subprocess.run([sys.executable, str(script), *folders], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert done.stdout.count("kernel ") == 5 and done.stdout.count("static step, ") == 4, done.stdout
+    assert done.stdout.count("kernel ") == 5 and done.stdout.count("static step (") == 6, done.stdout
     assert done.stdout.count("rotate_and_store ") == 12 and done.stdout.rstrip().endswith("ok"), done.stdout
 
 

@@ -4,14 +4,14 @@ Not a test module: ``test_cuda_graph.py`` runs it in a process of its own with
 ``TRITON_INTERPRET=1`` (the interpreter is chosen when a kernel is defined, so it must not leak
 into the tests that run the kernels on a GPU):
 
-    TRITON_INTERPRET=1 python tests/triton_interpreted.py TINY_LLAMA_FOLDER
+    TRITON_INTERPRET=1 python tests/triton_interpreted.py TINY_MODEL_FOLDER [TINY_MODEL_FOLDER ...]
 
 It checks the split-KV decode kernels against the length-masked SDPA reference (dtypes, GQA
 groups, head sizes that are not powers of two, lengths from 1 to the whole span, one split and
 many) and the fused elementwise kernels against the PyTorch ops they replace, then decodes a
 tiny model through the cuda-graph backend's static step (the Triton attention with and without
-the fused kernels, the fused kernels with SDPA) and compares its greedy tokens with the eager
-backend's. Prints one line per check;
+the fused kernels, the fused kernels with SDPA; the other folders, other families' layouts, with
+both) and compares its greedy tokens with the eager backend's. Prints one line per check;
 exits non-zero at the first mismatch.
 """
 
@@ -121,15 +121,22 @@ def main() -> None:
     check_kernel(torch.float32, 32, 8, 64, 4096, [4000], COARSE_PROGRAMS)  # 16 splits of four tiles
     check_fused(torch.float32)
     check_fused(torch.bfloat16)
-    model = _model_from_folder(Path(sys.argv[1]))
-    prompts = _prompts(model.config.vocab_size)
-    expected = [_eager_greedy(model, p, steps=6) for p in prompts]
-    for attention, fused in (("triton", True), ("triton", False), ("sdpa", True), ("triton-coarse", True)):
-        tokens, backend = _static_greedy(model, prompts, steps=6, attention=attention, fused=fused)
-        print(f"static step, {attention} form, fused elementwise {fused}: {tokens} (eager: {expected}); "
-              f"steps {dict(backend.steps_by_bucket)}")
-        if tokens != expected or backend.steps_by_bucket != {4: 5}:
-            raise SystemExit("the static step's greedy tokens differ from the eager backend's")
+    first = True
+    for folder in map(Path, sys.argv[1:]):
+        model = _model_from_folder(folder)
+        prompts = _prompts(model.config.vocab_size)
+        expected = [_eager_greedy(model, p, steps=6) for p in prompts]
+        combos = [("triton", True), ("triton", False), ("sdpa", True), ("triton-coarse", True)] if first else [
+            ("triton", True)]
+        first = False
+        for attention, fused in combos:
+            tokens, backend = _static_greedy(model, prompts, steps=6, attention=attention, fused=fused)
+            if fused and not backend.fused_elementwise:
+                raise SystemExit(f"{folder.name}: the fused kernels do not apply to it")
+            print(f"static step ({folder.name}), {attention} form, fused elementwise {fused}: {tokens} "
+                  f"(eager: {expected}); steps {dict(backend.steps_by_bucket)}")
+            if tokens != expected or backend.steps_by_bucket != {4: 5}:
+                raise SystemExit("the static step's greedy tokens differ from the eager backend's")
     print("ok")
 
 

@@ -107,6 +107,8 @@ def run_backend(args: argparse.Namespace, backend: str, bandwidth_gbs: float | N
     backend = llm.runner.backend
     if isinstance(backend, CudaGraphBackend):  # ms per replay of each attention form tried
         record["attention_choice"] = {f"bucket {b}, span {s}": t for (b, s), t in backend.attention_choice.items()}
+        policy = backend.lookahead_policy  # steps launched ahead that the next call took, or dropped
+        record["lookahead"] = {"on": backend.lookahead, "hits": policy.hits, "misses": policy.misses}
     print(json.dumps(record))
     del llm, cache
     if device.type == "cuda":
