@@ -2,9 +2,9 @@
 
 On a GPU a decode step of a 1B model is a few matrix-vector products and, between them, a long
 chain of small kernels: the second H100 run's graph step spent ~3.2 ms of CUDA time per token,
-1.2 ms of it in the products and ~0.8 ms in about 30 elementwise launches per layer (RMSNorm
-alone is eight: cast, square, mean, add, rsqrt, multiply, cast, scale). Here each link of the
-chain between two products is one kernel:
+1.2 ms of it in the products and ~0.8 ms in small elementwise kernels (a layer was about 30
+launches in all; RMSNorm alone is eight: cast, square, mean, add, rsqrt, multiply, cast, scale).
+Here each link of the chain between two products is one kernel:
 
 - :func:`rms_norm`: (optionally) the residual add, then RMSNorm: one program per row.
 - :func:`rotate_and_store`: the rotary embedding of q and k ("rotate half", partial rotary
