@@ -378,6 +378,7 @@ def test_the_triton_form_is_tried_only_where_it_runs(tiny_models, monkeypatch):
     assert runner.backend._variants(256) == ["sdpa", "split", "gemm"]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     has_triton = triton_runs_on(CPU)
+    runner = build_runner(model, Placement.all_on_device(model.config.n_layers), TierDevices(CPU), "cuda-graph")
     assert runner.backend._variants(256) == ["sdpa", "split", "gemm"] + ["triton", "triton-coarse"] * has_triton
 
 

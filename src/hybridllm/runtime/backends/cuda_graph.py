@@ -161,8 +161,9 @@ class CudaGraphBackend(EagerBackend):
         self._cos = self._sin = torch.empty(0)
         self.steps_by_bucket: Counter[int] = Counter()  # static steps run, per batch bucket
         self.attention_variants: tuple[str, ...] = DECODE_ATTENTION  # the forms tried (tests narrow it)
+        self.triton = triton_runs_on(self.device)  # once: a module lookup is ~25 us, and _variants runs every CPU step
         # the elementwise chain as fused Triton kernels where they run (tests switch it)
-        self.fused_elementwise = triton_runs_on(self.device) and fusable(model)
+        self.fused_elementwise = self.triton and fusable(model)
         # the next step launched ahead on the greedy guess (lookahead.py): on CUDA, where the host's
         # work then overlaps the device's; on the CPU it would only add work (tests switch it on)
         self.lookahead = self.captures
@@ -262,8 +263,7 @@ class CudaGraphBackend(EagerBackend):
         self._follow_pool()
         positions = [cache.seq_length for cache in caches]
         ahead, self._ahead = self._ahead, None
-        key = (pool.generation, bucket, tuple(zip(slots, positions)))
-        logits = self._taken_ahead(ahead, key, slots, tokens)
+        logits = self._taken_ahead(ahead, self._step_key(bucket, slots, positions), slots, tokens)
         for cache in caches:
             cache.advance_all()
         self.steps_by_bucket[bucket] += 1
@@ -309,6 +309,11 @@ class CudaGraphBackend(EagerBackend):
         return captured.logits
 
     # ---- one step ahead (lookahead.py) ---------------------------------------------------------
+    def _step_key(self, bucket: int, slots: list[int], positions: list[int]) -> tuple:
+        """What makes two static steps the same step: the pool's buffers, the bucket, and each row's
+        slot and position (:attr:`AheadStep.key`)."""
+        return self.pool.generation, bucket, tuple(zip(slots, positions))
+
     def _taken_ahead(self, ahead: AheadStep | None, key: tuple, slots: list[int], tokens: list[int]
                      ) -> torch.Tensor | None:
         """The logits of the step launched ahead when it is this step (the same rows at the same
@@ -326,7 +331,7 @@ class CudaGraphBackend(EagerBackend):
         """Launch the step after this one, each row's token the argmax of its ``logits`` (bucket, 1,
         vocab), written into the input block on the device; on CUDA on the side stream (the
         engine's sampling of this step goes on meanwhile), on the CPU at once."""
-        key = (self.pool.generation, bucket, tuple(zip(slots, positions)))
+        key = self._step_key(bucket, slots, positions)
         guess = argmax_rows(logits[:, 0])  # (bucket,) on the device
 
         def write_inputs() -> None:
@@ -376,8 +381,7 @@ class CudaGraphBackend(EagerBackend):
 
     def _variants(self, span: int) -> list[str]:
         """The attention forms that apply to ``span`` keys on this device, in preference order."""
-        triton = triton_runs_on(self.device)
-        applies = {"split": split_chunk(span) is not None, "triton": triton, "triton-coarse": triton}
+        applies = {"split": split_chunk(span) is not None, "triton": self.triton, "triton-coarse": self.triton}
         return [v for v in self.attention_variants if applies.get(v, True)]
 
     def _forward(self, bucket: int, span: int, attention: str) -> torch.Tensor:
@@ -387,9 +391,7 @@ class CudaGraphBackend(EagerBackend):
         if self.fused_elementwise:
             return self._forward_fused(bucket, span, attention)
         model, pool = self.model, self.pool
-        inputs = self._inputs[:, :bucket]
-        ids, positions, columns, lengths = inputs[IDS], inputs[POSITIONS], inputs[COLUMNS], inputs[LENGTHS]
-        rows = self._row_index[:bucket]
+        ids, positions, columns, lengths, rows = self._step_inputs(bucket)
         x = model.embed(ids[:, None])  # (bucket, 1, hidden)
         cos = self._cos[positions][:, None, None, :]  # (bucket, 1, 1, rotary_dim)
         sin = self._sin[positions][:, None, None, :]
@@ -402,6 +404,12 @@ class CudaGraphBackend(EagerBackend):
             x = layer.attention_outputs(x, attn)  # (bucket, 1, hidden)
         return model.head(model.final_norm(x))  # (bucket, 1, vocab)
 
+    def _step_inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The input block's rows for the first ``bucket`` pool rows, each (bucket,) int64: token
+        ids, positions, columns, visible keys; and the pool rows themselves (0 .. bucket - 1)."""
+        inputs = self._inputs[:, :bucket]
+        return inputs[IDS], inputs[POSITIONS], inputs[COLUMNS], inputs[LENGTHS], self._row_index[:bucket]
+
     def _forward_fused(self, bucket: int, span: int, attention: str) -> torch.Tensor:
         """:meth:`_forward` with each layer's elementwise chain as three Triton kernels: the
         residual add and the next norm in one (:func:`~hybridllm.models.triton_fused.rms_norm`),
@@ -409,9 +417,7 @@ class CudaGraphBackend(EagerBackend):
         from hybridllm.models.triton_fused import rms_norm, rotate_and_store, silu_and_mul
 
         model, pool = self.model, self.pool
-        inputs = self._inputs[:, :bucket]
-        ids, positions, columns, lengths = inputs[IDS], inputs[POSITIONS], inputs[COLUMNS], inputs[LENGTHS]
-        rows = self._row_index[:bucket]
+        ids, positions, columns, lengths, rows = self._step_inputs(bucket)
         layers = model.layers
         normed, x = rms_norm(model.embed(ids[:, None]), layers[0].input_layernorm)  # (bucket, 1, hidden) each
         for i, layer in enumerate(layers):
