@@ -99,6 +99,33 @@ def test_products_are_exact_dots_the_same_on_every_kernel(type_name, rows, amx):
 
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_long_rows_in_several_tile_passes_are_the_same_bits(type_name, amx):
+    """AMX tiles take an item's row blocks over spans of the inputs (dots_amx.h: groups_per_pass,
+    184 groups for 8 blocks), each output's sum carried through the output between passes: with
+    8,192 inputs (256 groups: two passes, the second shorter) and a partial last block, the result
+    is the reference's bits, as in one pass."""
+    layer, _ = held(type_name, 136, 8192, seed=11)
+    view = native.linear_view(layer)
+    x = torch.randn(17, 8192, generator=torch.Generator().manual_seed(11))
+    reference = native.reference_linear(view, x)
+    for tiles in (1, 0):
+        amx.hl_set_amx(tiles)
+        assert torch.equal(native.linear(view, x), reference), f"tiles={tiles}"
+
+
+def test_engine_int8_rows_in_several_tile_passes_take_their_row_scales_once(amx):
+    """FORMAT_I8_ROWS multiplies each output by its row's scale after the last group: with the
+    inputs split over passes, once (on the last pass), not once per pass."""
+    tiled = native_module(Int8Linear.from_float(torch.randn(136, 8192, generator=torch.Generator().manual_seed(3))))
+    view = native.linear_view(tiled)
+    x = torch.randn(17, 8192, generator=torch.Generator().manual_seed(4))
+    reference = native.reference_linear(view, x)
+    for tiles in (1, 0):
+        amx.hl_set_amx(tiles)
+        assert torch.equal(native.linear(view, x), reference), f"tiles={tiles}"
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 17])
 def test_one_digit_products_are_exact_dots_of_the_rounded_inputs(type_name, rows, amx):
     """``--activations int8``: every kernel skips the low digits, and the result is the product of

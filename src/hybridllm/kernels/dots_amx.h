@@ -94,6 +94,13 @@ struct AlignedScratch {
 constexpr int64_t QUAD_BYTES = 64;
 constexpr int64_t UNPACKED_GROUP = 8 * QUAD_BYTES + 3 * 64;  // quads, then scale, scale_b and min (16 floats each)
 
+// Whether a format's unpacked codes are stored less its offset, as signed bytes (w = u - offset:
+// IQ4's table values, Q6_K's -32 .. 31, Q8_0's int8 ...), multiplied by TDPBSSD: the tile's dots
+// are then the exact sums of w . digits that the vector kernels reach by subtracting the offset
+// times the digit sums, so the float steps skip that subtraction (two per row and half for Q6_K).
+template <int32_t F>
+constexpr bool CENTERED = layout_of(F).offset != 0;
+
 // A group's float steps for the 16 input rows of a tile: `dots` its (high, low) digit tiles
 // stored as [2][16 rows][16 lanes] (the first half's, and for halves the second's), `unpacked`
 // the group's scales, `rows` the input rows' tile params (activations.h: tile_params).
@@ -113,81 +120,83 @@ __attribute__((always_inline)) inline void group_float_steps(__m512 (&acc)[TILE_
                                         : _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(dots_b[0] + 16 * r), 7),
                                                            _mm512_load_si512(dots_b[1] + 16 * r));
     const int32_t sums[2] = {digit_sums[r], digit_sums[TILE_M + r]};
-    acc[r] = avx512::float_steps<F>(acc[r], a, b, s, rows[r], rows[TILE_M + r], sums);
+    acc[r] = avx512::float_steps<F, CENTERED<F>>(acc[r], a, b, s, rows[r], rows[TILE_M + r], sums);
   }
 }
 
 // Unpacked quads and scales of the weight row blocks that one pass keeps warm in L2 beside an input
-// tile (Sapphire Rapids: 2 MiB of L2 per core): each 16-input-row tile of digits is read from memory
-// once per pass, not once per row block (K = 8192: 256 KiB per input tile, 180 KiB per row block).
+// tile (Sapphire Rapids: 2 MiB of L2 per core): each 16-input-row tile's digits of a pass's groups
+// are read from memory once per pass, then served from L2 to every row block of the pass.
 constexpr int64_t PASS_UNPACKED_BYTES = 1 << 20;
 
-// Row blocks per pass of `groups` groups each (at least one).
-inline int64_t blocks_per_pass(int64_t groups) {
-  return std::max<int64_t>(1, PASS_UNPACKED_BYTES / (groups * UNPACKED_GROUP));
+// Groups per pass for `n_blocks` row blocks (a whole number of tiles of `groups_per_tile`, at least
+// one): a pass covers every row block of a call over a span of the inputs (K = 14336: 184 groups of
+// 8 blocks), so each input tile is read once per pass for all of them and once per call in all.
+inline int64_t groups_per_pass(int64_t n_blocks, int64_t groups_per_tile) {
+  const int64_t tiles = PASS_UNPACKED_BYTES / (n_blocks * groups_per_tile * UNPACKED_GROUP);
+  return std::max<int64_t>(1, tiles) * groups_per_tile;
 }
 
-// Weight rows [0, n_rows) of a tiled format (row blocks of 16 from `tiles`, n_tiles tiles each,
-// the last one possibly partial) for every input row: every block's quads and scales unpacked
-// once, then per 16 input rows, per block and per group the tile multiplies of the two digits and
-// the float steps on each input row's 16 dots.
+// One pass for one row block and 16 input rows (from m0): groups first .. first + span - 1 of the
+// block's unpacked quads and scales (`unpacked`: the pass's groups in order), the accumulators
+// starting from `out` (the earlier passes' sums) or from zero on the first pass, stored back to
+// `out` (rows m0 .., n_valid weight rows); `row_scales` (the block's, ROW formats) on the last pass.
 template <int32_t F>
-void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int64_t n_rows,
-                const float* row_scales) {
+void pass_block(const uint8_t* unpacked, int64_t first, int64_t span, const InputRows& acts, int64_t m0, float* out,
+                int64_t n_out, int n_valid, const float* row_scales) {
   constexpr TypeLayout T = layout_of(F);
-  constexpr int64_t GROUPS_PER_TILE = T.groups();
-  const int64_t groups = n_tiles * GROUPS_PER_TILE;
-  const int64_t n_blocks = (n_rows + TILE_M - 1) / TILE_M;
-  thread_local AlignedScratch scratch;
-  uint8_t* unpacked_blocks = scratch.get(n_blocks * groups * UNPACKED_GROUP);
-  for (int64_t s = 0; s < n_blocks * n_tiles; ++s) {  // the blocks' tiles lie one after another
-    const uint8_t* tile = tiles + s * T.tile_bytes();
-    for (int64_t gi = 0; gi < GROUPS_PER_TILE; ++gi) {
-      uint8_t* group = unpacked_blocks + (s * GROUPS_PER_TILE + gi) * UNPACKED_GROUP;
-      __m512i q[8];
-      avx512::unpack_quads<F>(group_codes(T, tile, gi), q);
-      for (int i = 0; i < 8; ++i) _mm512_store_si512(group + i * QUAD_BYTES, q[i]);
-      const avx512::Scales16 scales = avx512::group_scales<F>(tile, gi);
-      float* vectors = reinterpret_cast<float*>(group + 8 * QUAD_BYTES);
-      _mm512_store_ps(vectors, scales.scale);
-      _mm512_store_ps(vectors + 16, scales.scale_b);
-      _mm512_store_ps(vectors + 32, scales.min);
-    }
-  }
   constexpr int64_t GROUP_BYTES = TILE_M * DIGIT_BYTES;  // a group's digits of a block's 16 rows
-  alignas(64) int32_t dots[2][2][TILE_M * 16];  // [half][digit] (Q6_K)
-  alignas(64) int32_t ring[4][2][TILE_M * 16];  // [group % 4][digit]
-  for (int64_t m0 = 0; m0 < acts.rows(); m0 += TILE_M)
-  for (int64_t b = 0; b < n_blocks; ++b) {
-    const uint8_t* unpacked = unpacked_blocks + b * groups * UNPACKED_GROUP;
-    const int n_valid = static_cast<int>(std::min<int64_t>(TILE_M, n_rows - b * TILE_M));
-    const __mmask16 valid = static_cast<__mmask16>((1u << n_valid) - 1);
-    const __m512 scales_of_rows =
-        T.scales == Scales::ROW ? _mm512_maskz_loadu_ps(valid, row_scales + b * TILE_M) : _mm512_setzero_ps();
-    const int8_t* high = acts.tile_digits(m0 / TILE_M);  // group g's 16 rows at TILE_M DIGIT_BYTES g, 64 bytes apart
-    const int8_t* low = high + GROUP;
-    __m512 acc[TILE_M];
-    for (int r = 0; r < TILE_M; ++r) acc[r] = _mm512_setzero_ps();
-    const int64_t block = m0 / TILE_M;
-    if constexpr (T.halves()) {
-      configure(GROUP / 2);
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* quads = unpacked + g * UNPACKED_GROUP;
-        for (int half = 0; half < 2; ++half) {  // inputs 16 half .. 16 half + 15: quads 4 half .. 4 half + 3
-          _tile_loadd(HL_INPUT_HIGH, high + g * GROUP_BYTES + 16 * half, DIGIT_BYTES);
-          _tile_loadd(HL_INPUT_LOW, low + g * GROUP_BYTES + 16 * half, DIGIT_BYTES);
-          _tile_loadd(HL_QUADS, quads + 4 * half * QUAD_BYTES, QUAD_BYTES);
-          _tile_zero(HL_DOTS_HIGH);
-          _tile_zero(HL_DOTS_LOW);
-          _tile_dpbsud(HL_DOTS_HIGH, HL_INPUT_HIGH, HL_QUADS);
-          _tile_dpbsud(HL_DOTS_LOW, HL_INPUT_LOW, HL_QUADS);
-          _tile_stored(HL_DOTS_HIGH, dots[half][0], 64);
-          _tile_stored(HL_DOTS_LOW, dots[half][1], 64);
-        }
-        group_float_steps<F>(acc, dots[0], dots[1], quads, acts.tile_params(block, g));
-      }
-    } else {
-      configure(GROUP);
+  const int64_t block = m0 / TILE_M;
+  const __mmask16 valid = static_cast<__mmask16>((1u << n_valid) - 1);
+  const int64_t rows = std::min<int64_t>(TILE_M, acts.rows() - m0);
+  // acc stays in registers only if every index is a constant: the loops over it run to TILE_M, unrolled
+  __m512 acc[TILE_M];
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE_M; ++r)
+    acc[r] = first == 0 || r >= rows ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(valid, out + (m0 + r) * n_out);
+  // group g of the pass (0 .. span - 1) is the inputs' group first + g: its 16 rows' digits, 64
+  // bytes apart, and its tile figures
+  const int8_t* high = acts.tile_digits(block) + first * GROUP_BYTES;
+  const int8_t* low = high + GROUP;
+  const auto params = [&](int64_t g) { return acts.tile_params(block, first + g); };
+  // a tile multiply of 16 input rows' digits by the quads: signed x signed for centered codes
+#define HL_TILE_DOTS(DOTS, INPUT)                                                                    \
+  do {                                                                                               \
+    if constexpr (CENTERED<F>) _tile_dpbssd(DOTS, INPUT, HL_QUADS); else _tile_dpbsud(DOTS, INPUT, HL_QUADS); \
+  } while (0)
+  if constexpr (T.halves()) {
+    configure(GROUP / 2);
+    // Group g's four multiplies (two halves of 16 inputs, two digits each) into four dot tiles,
+    // then the float steps of group g - 1, then the stores of group g into the ring's slot g % 2:
+    // the float steps read dots stored an iteration ago while the tiles multiply.
+    alignas(64) int32_t ring[2][2][2][TILE_M * 16];  // [group % 2][half][digit]
+#define HL_HALF_MULTIPLY(HIGH, LOW, g, half)                                                        \
+  do {                                                                                               \
+    _tile_loadd(HL_INPUT_HIGH, high + (g) * GROUP_BYTES + 16 * (half), DIGIT_BYTES);                 \
+    _tile_loadd(HL_INPUT_LOW, low + (g) * GROUP_BYTES + 16 * (half), DIGIT_BYTES);                   \
+    _tile_loadd(HL_QUADS, unpacked + (g) * UNPACKED_GROUP + 4 * (half) * QUAD_BYTES, QUAD_BYTES);    \
+    _tile_zero(HIGH);                                                                                \
+    _tile_zero(LOW);                                                                                 \
+    HL_TILE_DOTS(HIGH, HL_INPUT_HIGH);                                                               \
+    HL_TILE_DOTS(LOW, HL_INPUT_LOW);                                                                 \
+  } while (0)
+#define HL_HALVES_STEPS(g) \
+  group_float_steps<F>(acc, ring[(g) % 2][0], ring[(g) % 2][1], unpacked + (g) * UNPACKED_GROUP, params(g))
+    for (int64_t g = 0; g < span; ++g) {
+      HL_HALF_MULTIPLY(HL_DOTS_HIGH, HL_DOTS_LOW, g, 0);  // inputs 0 .. 15: quads 0 .. 3
+      HL_HALF_MULTIPLY(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g, 1);  // inputs 16 .. 31: quads 4 .. 7
+      if (g >= 1) HL_HALVES_STEPS(g - 1);
+      _tile_stored(HL_DOTS_HIGH, ring[g % 2][0][0], 64);
+      _tile_stored(HL_DOTS_LOW, ring[g % 2][0][1], 64);
+      _tile_stored(HL_DOTS_HIGH_ODD, ring[g % 2][1][0], 64);
+      _tile_stored(HL_DOTS_LOW_ODD, ring[g % 2][1][1], 64);
+    }
+    if (span >= 1) HL_HALVES_STEPS(span - 1);
+#undef HL_HALF_MULTIPLY
+#undef HL_HALVES_STEPS
+  } else {
+    configure(GROUP);
+    alignas(64) int32_t ring[4][2][TILE_M * 16];  // [group % 4][digit]
 // Group g's tile multiplies into a pair of dot tiles (even groups the first pair, odd ones the
 // second), and the pair's store into the ring's slot g % 4. The float steps two groups behind run
 // between the two: the dots they read were stored an iteration ago, so neither the multiply's
@@ -199,35 +208,83 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, fl
     _tile_loadd(HL_QUADS, unpacked + (g) * UNPACKED_GROUP, QUAD_BYTES);         \
     _tile_zero(HIGH);                                                           \
     _tile_zero(LOW);                                                            \
-    _tile_dpbsud(HIGH, HL_INPUT_HIGH, HL_QUADS);                                \
-    _tile_dpbsud(LOW, HL_INPUT_LOW, HL_QUADS);                                  \
+    HL_TILE_DOTS(HIGH, HL_INPUT_HIGH);                                          \
+    HL_TILE_DOTS(LOW, HL_INPUT_LOW);                                            \
   } while (0)
 #define HL_STORE_DOTS(HIGH, LOW, g)            \
   do {                                         \
     _tile_stored(HIGH, ring[(g) % 4][0], 64);  \
     _tile_stored(LOW, ring[(g) % 4][1], 64);   \
   } while (0)
-#define HL_FLOAT_STEPS(g) \
-  group_float_steps<F>(acc, ring[(g) % 4], nullptr, unpacked + (g) * UNPACKED_GROUP, acts.tile_params(block, g))
-      for (int64_t g = 0; g < groups; g += 2) {
-        HL_GROUP_MULTIPLY(HL_DOTS_HIGH, HL_DOTS_LOW, g);
-        if (g >= 2) HL_FLOAT_STEPS(g - 2);
-        HL_STORE_DOTS(HL_DOTS_HIGH, HL_DOTS_LOW, g);
-        if (g + 1 < groups) {
-          HL_GROUP_MULTIPLY(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g + 1);
-          if (g >= 1) HL_FLOAT_STEPS(g - 1);
-          HL_STORE_DOTS(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g + 1);
-        }
+#define HL_FLOAT_STEPS(g) group_float_steps<F>(acc, ring[(g) % 4], nullptr, unpacked + (g) * UNPACKED_GROUP, params(g))
+    for (int64_t g = 0; g < span; g += 2) {
+      HL_GROUP_MULTIPLY(HL_DOTS_HIGH, HL_DOTS_LOW, g);
+      if (g >= 2) HL_FLOAT_STEPS(g - 2);
+      HL_STORE_DOTS(HL_DOTS_HIGH, HL_DOTS_LOW, g);
+      if (g + 1 < span) {
+        HL_GROUP_MULTIPLY(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g + 1);
+        if (g >= 1) HL_FLOAT_STEPS(g - 1);
+        HL_STORE_DOTS(HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD, g + 1);
       }
-      for (int64_t g = groups >= 2 ? groups - 2 : 0; g < groups; ++g) HL_FLOAT_STEPS(g);
+    }
+    for (int64_t g = span >= 2 ? span - 2 : 0; g < span; ++g) HL_FLOAT_STEPS(g);
 #undef HL_GROUP_MULTIPLY
 #undef HL_STORE_DOTS
 #undef HL_FLOAT_STEPS
+  }
+#undef HL_TILE_DOTS
+  const __m512 scales_of_rows = row_scales != nullptr ? _mm512_maskz_loadu_ps(valid, row_scales) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int r = 0; r < TILE_M; ++r) {
+    if (r >= rows) break;
+    if (row_scales != nullptr) acc[r] = _mm512_mul_ps(acc[r], scales_of_rows);
+    _mm512_mask_storeu_ps(out + (m0 + r) * n_out, valid, acc[r]);
+  }
+}
+
+// Weight rows [0, n_rows) of a tiled format (row blocks of 16 from `tiles`, n_tiles tiles each,
+// the last one possibly partial) for every input row, in passes over spans of the groups: a
+// pass's groups of every block unpacked once (quads and scales), then per 16 input rows and per
+// block the tile multiplies of the two digits and the float steps on each input row's 16 dots.
+// An output's accumulator goes through `out` between passes and continues where it stopped: the
+// float steps run group after group as in one pass, so the bits do not depend on the passes.
+template <int32_t F>
+void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int64_t n_rows,
+                const float* row_scales) {
+  constexpr TypeLayout T = layout_of(F);
+  constexpr int64_t GROUPS_PER_TILE = T.groups();
+  const int64_t groups = n_tiles * GROUPS_PER_TILE;
+  const int64_t n_blocks = (n_rows + TILE_M - 1) / TILE_M;
+  const int64_t pass_groups = std::min(groups, groups_per_pass(n_blocks, GROUPS_PER_TILE));
+  thread_local AlignedScratch scratch;
+  uint8_t* unpacked_blocks = scratch.get(n_blocks * pass_groups * UNPACKED_GROUP);
+  for (int64_t first = 0; first < groups; first += pass_groups) {
+    const int64_t span = std::min(pass_groups, groups - first);  // this pass's groups: first .. first + span - 1
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      for (int64_t g = 0; g < span; ++g) {
+        const int64_t s = b * n_tiles + (first + g) / GROUPS_PER_TILE;  // the blocks' tiles lie one after another
+        const uint8_t* tile = tiles + s * T.tile_bytes();
+        const int64_t gi = (first + g) % GROUPS_PER_TILE;
+        uint8_t* group = unpacked_blocks + (b * span + g) * UNPACKED_GROUP;
+        __m512i q[8];
+        avx512::unpack_quads<F>(group_codes(T, tile, gi), q);
+        for (int i = 0; i < 8; ++i) {
+          if constexpr (CENTERED<F>) q[i] = _mm512_sub_epi8(q[i], _mm512_set1_epi8(static_cast<char>(T.offset)));
+          _mm512_store_si512(group + i * QUAD_BYTES, q[i]);
+        }
+        const avx512::Scales16 scales = avx512::group_scales<F>(tile, gi);
+        float* vectors = reinterpret_cast<float*>(group + 8 * QUAD_BYTES);
+        _mm512_store_ps(vectors, scales.scale);
+        _mm512_store_ps(vectors + 16, scales.scale_b);
+        _mm512_store_ps(vectors + 32, scales.min);
+      }
     }
-    for (int64_t r = 0; r < TILE_M && m0 + r < acts.rows(); ++r) {
-      if constexpr (T.scales == Scales::ROW) acc[r] = _mm512_mul_ps(acc[r], scales_of_rows);
-      _mm512_mask_storeu_ps(out + (m0 + r) * n_out + b * TILE_M, valid, acc[r]);
-    }
+    const bool last_pass = first + span == groups;
+    for (int64_t m0 = 0; m0 < acts.rows(); m0 += TILE_M)
+      for (int64_t b = 0; b < n_blocks; ++b)
+        pass_block<F>(unpacked_blocks + b * span * UNPACKED_GROUP, first, span, acts, m0, out + b * TILE_M, n_out,
+                      static_cast<int>(std::min<int64_t>(TILE_M, n_rows - b * TILE_M)),
+                      last_pass && T.scales == Scales::ROW ? row_scales + b * TILE_M : nullptr);
   }
 }
 

@@ -147,20 +147,25 @@ inline void group_dots(const __m512i q[8], const int8_t* hi, const int8_t* lo, _
 }
 
 // qtypes.h's float steps of one group for one input row, 16 weight rows per register, from the
-// dots of its halves (offsets not yet applied). digit_sums: the row's (S_a, S_b) of the group.
-template <int32_t F>
+// dots of its halves. digit_sums: the row's (S_a, S_b) of the group. CENTERED: the dots are
+// already against the codes less the type's offset (w, not u: the AMX tiles' signed codes), so
+// the offset's terms are not subtracted again (the same integers either way).
+template <int32_t F, bool CENTERED = false>
 __attribute__((always_inline)) inline __m512 float_steps(__m512 acc, __m512i d_a, __m512i d_b, const Scales16& s,
                                                          float dot_scale, float sum, const int32_t* digit_sums) {
   constexpr TypeLayout T = layout_of(F);
+  constexpr int32_t OFFSET = CENTERED ? 0 : T.offset;
   const __m512 ds = _mm512_set1_ps(dot_scale);
   if constexpr (T.halves()) {
-    d_a = _mm512_sub_epi32(d_a, _mm512_set1_epi32(T.offset * digit_sums[0]));
-    d_b = _mm512_sub_epi32(d_b, _mm512_set1_epi32(T.offset * digit_sums[1]));
+    if constexpr (OFFSET != 0) {
+      d_a = _mm512_sub_epi32(d_a, _mm512_set1_epi32(OFFSET * digit_sums[0]));
+      d_b = _mm512_sub_epi32(d_b, _mm512_set1_epi32(OFFSET * digit_sums[1]));
+    }
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_a), _mm512_mul_ps(s.scale, ds), acc);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d_b), _mm512_mul_ps(s.scale_b, ds), acc);
   } else {
     __m512i d = _mm512_add_epi32(d_a, d_b);
-    if constexpr (T.offset != 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(T.offset * (digit_sums[0] + digit_sums[1])));
+    if constexpr (OFFSET != 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(OFFSET * (digit_sums[0] + digit_sums[1])));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s.scale, ds), acc);
     if constexpr (T.has_min()) acc = _mm512_fmadd_ps(s.min, _mm512_set1_ps(sum), acc);
     return acc;

@@ -77,11 +77,9 @@ void tiled_range(const HLLinear& w, const InputRows& acts, float* out, int64_t n
   const auto* base = static_cast<const uint8_t*>(w.weight);
   const auto* row_scales = static_cast<const float*>(w.scales);
 #if HL_AMX
-  if (tiles_product) {  // passes of several row blocks, each input tile read once per pass
-    const int64_t pass_rows = amx::blocks_per_pass(n_tiles * T.groups()) * TILE_ROWS;
-    for (int64_t n = n0; n < n1; n += pass_rows)
-      amx::tiled_rows<F>(base + (n / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n, n_out,
-                         std::min(pass_rows, n1 - n), row_scales == nullptr ? nullptr : row_scales + n);
+  if (tiles_product) {  // the item's row blocks together, in passes over spans of the inputs
+    amx::tiled_rows<F>(base + (n0 / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n0, n_out, n1 - n0,
+                       row_scales == nullptr ? nullptr : row_scales + n0);
     return;
   }
 #else
