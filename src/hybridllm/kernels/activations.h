@@ -125,12 +125,22 @@ class InputRows {
     dot_scales_[at] = scale / 128.0f;
     int8_t* q = digits_.data() + digit_offset(r, g);
     int8_t* q_low = q + GROUP;
+    // (two plain loops through int32: GCC vectorizes them, where one loop with the digit count's
+    // test and float -> int8 casts ran one value at a time, ~4% of a Qwen3 prefill)
+    if (one_digit()) {
 #pragma omp simd
-    for (int j = 0; j < GROUP; ++j) {
-      const float scaled = xg[j] * inverse;
-      const float high = std::nearbyint(scaled);
-      q[j] = static_cast<int8_t>(high);
-      q_low[j] = one_digit() ? 0 : static_cast<int8_t>(std::nearbyint((scaled - high) * 128.0f));
+      for (int j = 0; j < GROUP; ++j) {
+        q[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(xg[j] * inverse)));
+        q_low[j] = 0;
+      }
+    } else {
+#pragma omp simd
+      for (int j = 0; j < GROUP; ++j) {
+        const float scaled = xg[j] * inverse;
+        const float high = std::nearbyint(scaled);
+        q[j] = static_cast<int8_t>(static_cast<int32_t>(high));
+        q_low[j] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint((scaled - high) * 128.0f)));
+      }
     }
     for (int half = 0; half < 2; ++half) {
       int32_t high_sum = 0, low_sum = 0;

@@ -68,8 +68,8 @@ struct alignas(64) TileConfig {
   }
 };
 
-// Load the tile shapes for groups of `inputs` (32, or 16 for halves): every call, since other
-// code on this thread (oneDNN's) may have loaded its own.
+// Load the tile shapes for groups of `inputs` (32, or 16 for halves): at every pass, since other
+// code on this thread (oneDNN's) may have loaded its own between two products.
 inline void configure(int inputs) {
   static const TileConfig whole = TileConfig()
       .shape({HL_DOTS_HIGH, HL_DOTS_LOW, HL_DOTS_HIGH_ODD, HL_DOTS_LOW_ODD}, TILE_M, 64)
@@ -165,7 +165,6 @@ void pass_block(const uint8_t* unpacked, int64_t first, int64_t span, const Inpu
     if constexpr (CENTERED<F>) _tile_dpbssd(DOTS, INPUT, HL_QUADS); else _tile_dpbsud(DOTS, INPUT, HL_QUADS); \
   } while (0)
   if constexpr (T.halves()) {
-    configure(GROUP / 2);
     // Group g's four multiplies (two halves of 16 inputs, two digits each) into four dot tiles,
     // then the float steps of group g - 1, then the stores of group g into the ring's slot g % 2:
     // the float steps read dots stored an iteration ago while the tiles multiply.
@@ -195,7 +194,6 @@ void pass_block(const uint8_t* unpacked, int64_t first, int64_t span, const Inpu
 #undef HL_HALF_MULTIPLY
 #undef HL_HALVES_STEPS
   } else {
-    configure(GROUP);
     alignas(64) int32_t ring[4][2][TILE_M * 16];  // [group % 4][digit]
 // Group g's tile multiplies into a pair of dot tiles (even groups the first pair, odd ones the
 // second), and the pair's store into the ring's slot g % 4. The float steps two groups behind run
@@ -280,6 +278,7 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, fl
       }
     }
     const bool last_pass = first + span == groups;
+    configure(T.halves() ? GROUP / 2 : GROUP);  // once per pass (a load of the config costs ~4% of a prefill)
     for (int64_t m0 = 0; m0 < acts.rows(); m0 += TILE_M)
       for (int64_t b = 0; b < n_blocks; ++b)
         pass_block<F>(unpacked_blocks + b * span * UNPACKED_GROUP, first, span, acts, m0, out + b * TILE_M, n_out,
