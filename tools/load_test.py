@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -68,18 +69,16 @@ def burst(args: argparse.Namespace, concurrency: int, max_batch: int, label: str
         model = warm_up(url, args.model)
         if args.warmup_burst:  # the burst's own shape once, not measured: every batch size and length seen
             asyncio.run(run_load(url, model, concurrency, concurrency, args.max_tokens, args.time_limit))
-        if args.profile is not None and proc is not None:
-            with Sampler(proc.pid, args.profile / f"{label}.raw") as sampler:
-                result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
-            if sampler.error is None:
-                summary = args.profile / f"{label}.txt"
-                summary.write_text(summarize(sampler.path))
-                result["profile"] = str(summary)
-            else:
-                result["profile_error"] = sampler.error
-                print(f"no profile of {label}: {sampler.error}", file=sys.stderr)
-        else:
+        sampler = Sampler(proc.pid, args.profile / f"{label}.raw") if args.profile and proc else None
+        with sampler or contextlib.nullcontext():
             result = asyncio.run(run_load(url, model, args.requests, concurrency, args.max_tokens, args.time_limit))
+        if sampler is not None and sampler.error is None:
+            summary = args.profile / f"{label}.txt"
+            summary.write_text(summarize(sampler.path))
+            result["profile"] = str(summary)
+        elif sampler is not None:
+            result["profile_error"] = sampler.error
+            print(f"no profile of {label}: {sampler.error}", file=sys.stderr)
     finally:
         if proc is not None:
             stop_server(proc)

@@ -190,7 +190,7 @@ void pass_block(const uint8_t* unpacked, int64_t first, int64_t span, const Inpu
       _tile_stored(HL_DOTS_HIGH_ODD, ring[g % 2][1][0], 64);
       _tile_stored(HL_DOTS_LOW_ODD, ring[g % 2][1][1], 64);
     }
-    if (span >= 1) HL_HALVES_STEPS(span - 1);
+    HL_HALVES_STEPS(span - 1);  // span >= 1
 #undef HL_HALF_MULTIPLY
 #undef HL_HALVES_STEPS
   } else {
