@@ -1,6 +1,6 @@
 """The package's layers import only downwards.
 
-    0 base: errors, config, units, timing
+    0 base: errors, config, units, timing, host_pages
     1 formats/ (on-disk layouts)
     2 loading/ (checkpoints, loaders, tokenizer)
     3 models/, kvcache/, kernels/
@@ -21,7 +21,7 @@ import pytest
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "src" / "hybridllm"
 PACKAGE = "hybridllm"
 
-BASE_MODULES = ("hybridllm.errors", "hybridllm.config", "hybridllm.units", "hybridllm.timing")
+BASE_MODULES = ("hybridllm.errors", "hybridllm.config", "hybridllm.units", "hybridllm.timing", "hybridllm.host_pages")
 LOWER_PACKAGES = ("loading", "models", "kvcache", "formats", "kernels")
 UPPER_MODULES = ("hybridllm.engine", "hybridllm.runtime", "hybridllm.llm", "hybridllm.server", "hybridllm.cli",
                  "hybridllm.bench", "hybridllm.placement")

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from hybridllm.host_pages import collapse_tensor
 from hybridllm.kernels import build, native
 
 
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--against", help="another build's library file, timed beside this one")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="back the KV's whole 2 MiB pages with huge pages (hybridllm.host_pages.collapse)")
     args = parser.parse_args()
 
     libraries = {"this build": build.build_library(()).library}
@@ -47,6 +50,9 @@ def main() -> None:
     shape = (args.kv_heads, args.context, args.head_dim)
     keys = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers)]
     values = [torch.randn(shape, generator=generator).to(dtype) for _ in range(layers)]
+    if args.huge_pages:
+        collapsed = sum(collapse_tensor(t) for t in keys + values)
+        print(f"{collapsed / 2**20:.0f} MiB of the KV's {sum(t.nbytes for t in keys + values) / 2**20:.0f} on 2 MiB pages")
     if args.mode == "prefill":
         starts = list(range(0, args.context, args.chunk))
         queries = [torch.randn(min(args.chunk, args.context - s), args.heads, args.head_dim, generator=generator)

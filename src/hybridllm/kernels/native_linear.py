@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridllm.host_pages import collapse_tensor, empty_on_huge_pages
 from hybridllm.errors import ConfigError
 from hybridllm.kernels.abi import (
     ACTIVATION_DIGITS,
@@ -112,6 +113,7 @@ class NativeQuantLinear(PackedLinear):
         self.activation_digits = activation_digits
         self.format_name, self.format_code = format_name, FORMAT_CODES[format_name]
         self.in_features, self.out_features = in_features, out_features
+        collapse_tensor(weight)  # every decode step streams it: 2 MiB pages
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("row_scales", row_scales, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -140,7 +142,7 @@ class NativeQuantLinear(PackedLinear):
             weight = rows.view(FLOAT_FORMATS[code]).reshape(n, in_features).clone()  # (N, K), its own memory
             return cls(type_name, in_features, n, weight, None, bias, activation_digits)
         library = kernels()
-        tiles = torch.empty(library.hl_tiled_bytes(code, n, in_features), dtype=torch.uint8)
+        tiles = empty_on_huge_pages(library.hl_tiled_bytes(code, n, in_features))
         if library.hl_pack_gguf(code, rows.data_ptr(), n, in_features, tiles.data_ptr(), torch.get_num_threads()):
             raise ConfigError(f"cannot hold {type_name} rows of {in_features} values natively")
         return cls(type_name, in_features, n, tiles, None, bias, activation_digits)
@@ -165,7 +167,7 @@ class NativeQuantLinear(PackedLinear):
     @staticmethod
     def _pack_int8(code: int, codes: torch.Tensor, scales: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
         library = kernels()
-        tiles = torch.empty(library.hl_tiled_bytes(code, n, k), dtype=torch.uint8)
+        tiles = empty_on_huge_pages(library.hl_tiled_bytes(code, n, k))
         if library.hl_pack_int8(code, codes.data_ptr(), 0 if scales is None else scales.data_ptr(), n, k,
                                 tiles.data_ptr()):
             raise ConfigError(f"cannot hold an int8 matrix of {k} inputs natively (a multiple of {GROUP} is needed)")
@@ -183,7 +185,10 @@ class NativeQuantLinear(PackedLinear):
         tiled = first.format_code not in FLOAT_FORMATS
         if tiled and any(p.out_features % Q4_ROWS for p in parts[:-1]):
             return None
-        weight = torch.cat([p.weight for p in parts])  # tiles are row block by row block; float rows by row
+        weights = [p.weight for p in parts]  # tiles are row block by row block; float rows by row
+        rows = sum(w.shape[0] for w in weights)
+        weight = empty_on_huge_pages(sum(w.nbytes for w in weights)).view(first.weight.dtype)
+        weight = torch.cat(weights, out=weight.view(rows, *first.weight.shape[1:]))  # (sum of rows, ...)
         row_scales = None if first.row_scales is None else torch.cat([p.row_scales for p in parts])
         biases = [p.bias for p in parts]
         bias = None if all(b is None for b in biases) else torch.cat(
@@ -260,6 +265,7 @@ class NativeInt4Linear(Int4Linear):
                  bias: torch.Tensor | None = None) -> None:
         nn.Module.__init__(self)  # no PyTorch-packed buffers: the blocks hold codes, scales and zeros
         self.in_features, self.out_features, self.group_size = in_features, out_features, GROUP
+        collapse_tensor(blocks)  # every decode step streams them: 2 MiB pages
         self.register_buffer("weight", blocks, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
