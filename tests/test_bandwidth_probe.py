@@ -8,6 +8,8 @@ import sys
 import torch
 from conftest import TOOLS, tool_module
 
+from hybridllm.host_pages import collapse_tensor
+
 TOOL = TOOLS / "bandwidth_probe.py"
 
 
@@ -29,3 +31,14 @@ def test_the_command_prints_a_row_per_round_and_refuses_empty_sizes():
     too_big = subprocess.run([sys.executable, str(TOOL), "--buffers", "1", "--mib", str(1 << 27)],  # 128 TiB
                              capture_output=True, text=True, timeout=120)
     assert too_big.returncode == 1 and "cannot allocate" in too_big.stderr and "Traceback" not in too_big.stderr
+
+
+def test_huge_pages_odd_names_each_buffers_pages():
+    done = subprocess.run([sys.executable, str(TOOL), "--buffers", "2", "--mib", "6", "--rounds", "1", "--threads", "1",
+                           "--huge-pages", "odd"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    header, row = done.stdout.strip().splitlines()
+    # where the kernel collapses pages the header says which buffer is which; elsewhere it says nothing
+    can_collapse = collapse_tensor(torch.ones(6 << 20, dtype=torch.uint8)) > 0
+    assert header.endswith("(4K 2M pages)" if can_collapse else "1 threads"), header
+    assert len(row.split()) == 1 + 2

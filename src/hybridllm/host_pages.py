@@ -1,16 +1,24 @@
-"""2 MiB pages for the host buffers the kernels stream: the packed weights and the long KV rows.
+"""2 MiB pages for the host buffers the kernels stream: the native weights.
 
-A decode step reads every weight and every KV row once, from memory; on 4 KiB pages each 4 KiB
-costs a TLB miss, and in a virtual machine a miss walks two page tables. On the Intel Xeon KVM
-guest of docs/benchmarks.md a stream like the decode attention's read 18 GB/s on 4 KiB pages and
-24-29 GB/s on 2 MiB ones (two threads).
+A decode step reads every weight once, from memory; on 4 KiB pages each 4 KiB costs a TLB miss,
+and in a virtual machine a miss walks two page tables. On the Intel Xeon KVM guest of
+docs/benchmarks.md, two threads, ``torch.sum`` over 300 MiB buffers read 21-31 GB/s on 4 KiB
+pages and 25-32 on 2 MiB ones side by side (``tools/bandwidth_probe.py --huge-pages odd``), a C
+loop over float16 rows 18 against 24-29; a weight-bound decode step of Llama-3.2-1B took 2-9%
+less time.
 
-:func:`collapse` asks Linux (6.1+) to back the whole 2 MiB pages of a range that is already
-written with huge pages (``MADV_COLLAPSE``: synchronous, a copy of each page, whatever the
-system's transparent-hugepage mode). Only whole pages inside the range are collapsed, so no byte
-becomes resident that was not; a range that is not yet written is never touched. Anywhere else
-(another OS, an older kernel, no free huge page) it does nothing and the buffers stay as they are:
-the same values either way, only the reads' speed differs.
+:func:`empty_on_huge_pages` asks for huge pages before a buffer is first written
+(``MADV_HUGEPAGE``: its pages then fault in 2 MiB at a time); :func:`collapse` backs the whole
+2 MiB pages of a range already written with huge pages (``MADV_COLLAPSE``, Linux 6.1+:
+synchronous, a copy of each page that is not huge yet, whatever the system's transparent-hugepage
+mode). Only whole pages inside a range are advised or collapsed, so no byte becomes resident that
+would not have been. Anywhere else (another OS, an older kernel, no free huge page) nothing
+happens and the buffers stay on 4 KiB pages: the same values either way, only the reads' speed
+differs.
+
+Not for the KV rows: a collapse costs 2-6 ms per page here (the kernel finds and fills a free
+huge page), and collapsing a decode's KV pages as they filled put 0.2-0.85 s into single steps
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

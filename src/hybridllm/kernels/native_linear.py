@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridllm.host_pages import collapse_tensor, empty_on_huge_pages
 from hybridllm.errors import ConfigError
+from hybridllm.host_pages import collapse_tensor, empty_on_huge_pages
 from hybridllm.kernels.abi import (
     ACTIVATION_DIGITS,
     EXACT_DIGITS,

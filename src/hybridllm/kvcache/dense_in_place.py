@@ -56,7 +56,6 @@ class DenseInPlaceCache(KVCache):
         stores = [self._stores[i] for i in layers]
         for store in stores:
             store.ensure(end)
-            store.buffer.collapse_written(start)  # rows before start are written
             store.length = end  # the caller writes rows start .. end - 1 itself
         for i in layers:
             self._lengths[i] = end

@@ -15,14 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridllm.host_pages import HUGE_PAGE, collapse, whole_pages
 from hybridllm.kvcache import transfer
 from hybridllm.kvcache.base import KVSpec, MemoryLedger, tensor_bytes
 from hybridllm.kvcache.attention import QuantizedBlock, quantized_partial_attention
 from hybridllm.kvcache.quantize import SCALE_DTYPE, channel_group, dequantize, packed_size, quantize, unpack_int4
-
-
-PAGE_FILL_PARTS = 8  # a KV page goes to 2 MiB once its written rows fill (PARTS - 1) / PARTS of it
 
 
 @dataclass(frozen=True)
@@ -64,11 +60,6 @@ class LedgeredBuffer:
             math.prod(lead) * (granule // f.tokens_per_row) * math.prod(f.tail) * _element_size(f.dtype)
             for f in fields.values()
         )
-        # written rows on 2 MiB pages (collapse_written): how often to look, the tokens and pages done
-        widest_row = max(math.prod(f.tail) * _element_size(f.dtype) / f.tokens_per_row for f in fields.values())
-        self._look_every = max(1, int(HUGE_PAGE // widest_row) // PAGE_FILL_PARTS)  # tokens
-        self._collapsed_tokens = 0
-        self._collapsed_pages: set[int] = set()  # their addresses
 
     def round_up(self, tokens: int) -> int:
         return -(-tokens // self.granule) * self.granule
@@ -107,36 +98,6 @@ class LedgeredBuffer:
                 new[name][:, :, :rows] = self.tensors[name][:, :, :rows]
         self.ledger.free(self.tier, tensor_bytes(*self.tensors.values()))
         self.tensors, self.capacity = new, capacity
-        self._collapsed_tokens = 0
-        self._collapsed_pages = set()
-
-    def collapse_written(self, tokens: int) -> None:
-        """Back the 2 MiB pages of the fields' tensors that tokens ``0 .. tokens-1`` (written) fill
-        to at least 7/8 with huge pages (:mod:`hybridllm.host_pages`): the native attention streams
-        them at every step. A page may span the end of one (batch, head) run of rows and the start
-        of the next; its unwritten rest (under 1/8: reserved rows still to come) becomes resident
-        with it. Host memory only, not page-locked; looked at again once an eighth of a page's
-        worth of tokens more is written."""
-        if (self.pin or self.device.type != "cpu" or not self.tensors
-                or tokens < self._collapsed_tokens + self._look_every):
-            return
-        for name, field_spec in self.fields.items():
-            tensor = self.tensors[name]  # (B, Hkv, capacity rows, *tail)
-            run_bytes = tensor.stride(1) * tensor.element_size()  # one (batch, head)'s rows
-            written = tokens // field_spec.tokens_per_row * tensor.stride(2) * tensor.element_size()
-            runs = math.prod(self.lead)
-            base = tensor.data_ptr()
-            first, length = whole_pages(base, runs * run_bytes)
-            for page in range(first, first + length, HUGE_PAGE):
-                if page in self._collapsed_pages:
-                    continue
-                lo, hi = (page - base) // run_bytes, (page + HUGE_PAGE - 1 - base) // run_bytes
-                filled = sum(max(0, min(page + HUGE_PAGE, base + run * run_bytes + written)
-                                 - max(page, base + run * run_bytes)) for run in range(lo, hi + 1))
-                if filled * PAGE_FILL_PARTS >= (PAGE_FILL_PARTS - 1) * HUGE_PAGE:
-                    collapse(page, HUGE_PAGE)
-                    self._collapsed_pages.add(page)
-        self._collapsed_tokens = tokens
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """View of field ``name`` for tokens ``start .. end-1`` (aligned to its tokens per row)."""
@@ -240,7 +201,6 @@ class TokenStore(ABC):
             else:
                 dst.copy_(value)
         self.length += n
-        self.buffer.collapse_written(self.length)
         return tensor_bytes(*encoded.values())
 
     def read(self, start: int = 0, end: int | None = None,
