@@ -1,6 +1,7 @@
 """2 MiB pages for the host buffers the kernels stream (hybridllm.host_pages): the native weights
-go to huge pages, nothing unwritten becomes resident, and no value changes. The page checks read this process's /proc/self/smaps; they need Linux 6.1+
-(``MADV_COLLAPSE``) and are skipped where the kernel cannot collapse."""
+go to huge pages, nothing unwritten becomes resident, and no value changes. The page checks read
+this process's /proc/self/smaps; they need Linux 6.1+ (``MADV_COLLAPSE``) and are skipped where
+the kernel cannot collapse."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ that differ within a row would be their memory's placement. On the 2-vCPU AMD EP
 docs/benchmarks.md both states read ~40-50 and ~65-75 GB/s on 2 threads for every buffer at once,
 for seconds to tens of seconds: a decode step bound by the memory moves with it (Llama-3.2-1B
 Q4_K_M at 512 tokens: ~17.5 ms against ~22 ms per step). ``--huge-pages odd`` backs every other
-buffer with 2 MiB pages (``hybridllm.host_pages``, as the engine's weights and long KV rows), so
+buffer with 2 MiB pages (``hybridllm.host_pages``, as the engine's native weights), so
 each row compares the two page sizes at the same moment; ``all`` backs every buffer.
 """
 

@@ -78,8 +78,8 @@ def check_transparent_hugepages(root: Path = Path("/")) -> Check:
     if mode == "always":
         return Check("transparent hugepages", OK, mode, "large weight and KV buffers get 2 MiB pages (fewer TLB misses)")
     if mode == "madvise":
-        return Check("transparent hugepages", OK, mode, "the engine asks for 2 MiB pages for its native weights and "
-                     "long KV rows (madvise)")
+        return Check("transparent hugepages", OK, mode, "the engine asks for 2 MiB pages for its native weights "
+                     "(madvise)")
     return Check("transparent hugepages", WARN, mode, "run `echo madvise > /sys/kernel/mm/transparent_hugepage/"
                  "enabled`: 4 KiB pages cost TLB misses when streaming GBs of weights")
 
