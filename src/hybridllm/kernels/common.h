@@ -52,8 +52,9 @@ constexpr int64_t PRODUCT_PREFETCH_BYTES = 5120;
 // against locality 3 (`prefetcht0`): decode steps 8-10% faster at 512 (Llama-3.2-1B, the
 // Mistral-shaped file: the weights read 9-11% more per second), 5-9% at 8K with a float16 KV
 // (Mistral-shaped, Qwen3-0.6B); the decode attention alone 3-9%; prefill and the AVX2 build (on
-// the same CPU) unchanged. The first-level cache's few outstanding misses (fill buffers) bound
-// how far ahead a core can read; a line in the second level is a short step from the first.
+// the same CPU) unchanged; AMD Zen 5 not measured. The likely cause (no hardware counters on that
+// VM to show it): a `prefetcht0` holds one of the first-level cache's few fill buffers until its
+// line arrives, and those bound how many lines a core keeps in flight.
 constexpr int PREFETCH_LOCALITY = 1;
 
 // ---- vectors ------------------------------------------------------------------------------
