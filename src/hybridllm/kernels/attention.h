@@ -150,15 +150,6 @@ constexpr int64_t PREFETCH_AHEAD_BYTES = 4096;
 
 inline int64_t rows_ahead(int64_t row_bytes) { return std::max<int64_t>(4, PREFETCH_AHEAD_BYTES / row_bytes); }
 
-// Asks for `bytes` bytes from address `first` into the second-level cache (PREFETCH_LOCALITY);
-// changes no value. An integer address: the rows asked for may lie past the buffer's end (a
-// prefetch never faults).
-// Always inlined into the loops that read: GCC drops a call to a function that only prefetches.
-__attribute__((always_inline)) inline void prefetch_bytes(uintptr_t first, int64_t bytes) {
-  for (int64_t offset = 0; offset < bytes; offset += 64)
-    __builtin_prefetch(reinterpret_cast<const void*>(first + offset), 0, PREFETCH_LOCALITY);
-}
-
 // The kernels read one KV head's keys or values of a run of tokens through a reader:
 // vector(t, i) is row t's WLANES values from element i on (i and d multiples of WLANES),
 // value(t, i) one value; the same float32 bits either way; prefetch(t) asks for row t + ahead

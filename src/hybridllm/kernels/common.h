@@ -57,6 +57,15 @@ constexpr int64_t PRODUCT_PREFETCH_BYTES = 5120;
 // line arrives, and those bound how many lines a core keeps in flight.
 constexpr int PREFETCH_LOCALITY = 1;
 
+// Asks for `bytes` bytes from address `first` into the second-level cache (PREFETCH_LOCALITY), a
+// line at a time; changes no value. An integer address: the bytes asked for may lie past a
+// buffer's end (a prefetch never faults). Always inlined into the loops that read: GCC drops a
+// call to a function that only prefetches.
+__attribute__((always_inline)) inline void prefetch_bytes(uintptr_t first, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(first + offset), 0, PREFETCH_LOCALITY);
+}
+
 // ---- vectors ------------------------------------------------------------------------------
 // GCC/Clang vector extensions: one source that the compiler lowers to the registers -march
 // offers. The float loops of attention and float32 weights run on LANES = 8 floats: one AVX2

@@ -324,8 +324,7 @@ void half_pass(const uint8_t* tiles, int64_t n_tiles, const InputRow* a, int hal
     const uint8_t* tile = tiles + s * TILE_BYTES;
     for (int64_t gi = 0; gi < GROUPS; ++gi) {
       const uint8_t* codes = group_codes(T, tile, gi);
-      for (int64_t line = 0; line < T.group_bytes; line += 64)
-        __builtin_prefetch(codes + PRODUCT_PREFETCH_BYTES + line, 0, PREFETCH_LOCALITY);
+      prefetch_bytes(reinterpret_cast<uintptr_t>(codes) + PRODUCT_PREFETCH_BYTES, T.group_bytes);
       group_rows<F, MT, DIGITS>(tile, gi, s * GROUPS + gi, half, a, acc);
     }
   }
@@ -427,8 +426,7 @@ void one_row_pass(const uint8_t* tiles, int64_t n_tiles, const InputRow& a, int6
     const uint8_t* tile = tiles + s * TILE_BYTES;
     for (int64_t gi = 0; gi < GROUPS; ++gi) {
       const uint8_t* codes = group_codes(T, tile, gi);
-      for (int64_t line = 0; line < T.group_bytes; line += 64)
-        __builtin_prefetch(codes + PRODUCT_PREFETCH_BYTES + line, 0, PREFETCH_LOCALITY);
+      prefetch_bytes(reinterpret_cast<uintptr_t>(codes) + PRODUCT_PREFETCH_BYTES, T.group_bytes);
       group_one_row<F, DIGITS>(tile, gi, s * GROUPS + gi, a, acc);
     }
   }

@@ -192,8 +192,7 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, in
     const uint8_t* tile = tiles + s * TILE_BYTES;
     for (int64_t gi = 0; gi < GROUPS; ++gi) {
       const uint8_t* codes = group_codes(T, tile, gi);
-      for (int64_t line = 0; line < T.group_bytes; line += 64)
-        __builtin_prefetch(codes + PRODUCT_PREFETCH_BYTES + line, 0, PREFETCH_LOCALITY);
+      prefetch_bytes(reinterpret_cast<uintptr_t>(codes) + PRODUCT_PREFETCH_BYTES, T.group_bytes);
       const int64_t g = s * GROUPS + gi;
       __m512i q[8];
       unpack_quads<F>(codes, q);
