@@ -47,17 +47,20 @@ constexpr int64_t TILE_ROWS = 16;  // weight rows per tile of every quantized ty
 constexpr int64_t PRODUCT_PREFETCH_BYTES = 5120;
 
 // Where the kernels' software prefetches put the lines they ask for (the weights' codes ahead of
-// the vector products, a decode block's KV rows ahead of the attention): the second-level cache
-// (__builtin_prefetch locality 1, `prefetcht2`), not the first. Intel Sapphire Rapids, 2 threads,
-// against locality 3 (`prefetcht0`): decode steps 8-10% faster at 512 (Llama-3.2-1B, the
-// Mistral-shaped file: the weights read 9-11% more per second), 5-9% at 8K with a float16 KV
-// (Mistral-shaped, Qwen3-0.6B); the decode attention alone 3-9%; prefill and the AVX2 build (on
-// the same CPU) unchanged; AMD Zen 5 not measured. The likely cause (no hardware counters on that
-// VM to show it): a `prefetcht0` holds one of the first-level cache's few fill buffers until its
-// line arrives, and those bound how many lines a core keeps in flight.
-constexpr int PREFETCH_LOCALITY = 1;
+// the vector products, a decode block's KV rows ahead of the attention). AVX-512 builds: the
+// second-level cache (__builtin_prefetch locality 1, `prefetcht2`); Intel Sapphire Rapids, 2
+// threads, against locality 3 (`prefetcht0`): decode steps 8-10% faster at 512 (Llama-3.2-1B, the
+// Mistral-shaped file: the weights read 9-11% more per second), 5-9% at 8K with a float16 KV; the
+// decode attention alone 3-9% (on AMD Zen 5: the products the same, the attention 1-6% slower).
+// Other builds (AVX2 and portable): the first-level cache (`prefetcht0`); the AVX2 build on Zen 5
+// against `prefetcht2`: decode steps 3-6% faster at 512 (the products 4-7%), the decode attention
+// alone 5-10% (Qwen3-0.6B's and the Mistral shape's at 8K); on Sapphire Rapids the same either
+// way. A likely cause of the Intel gain (no hardware counters on those VMs to show it): a
+// `prefetcht0` holds one of the first-level cache's few fill buffers until its line arrives, and
+// those bound how many lines a core keeps in flight.
+constexpr int PREFETCH_LOCALITY = HL_AVX512_VNNI ? 1 : 3;
 
-// Asks for `bytes` bytes from address `first` into the second-level cache (PREFETCH_LOCALITY), a
+// Asks for `bytes` bytes from address `first` into the cache level PREFETCH_LOCALITY names, a
 // line at a time; changes no value. An integer address: the bytes asked for may lie past a
 // buffer's end (a prefetch never faults). Always inlined into the loops that read: GCC drops a
 // call to a function that only prefetches.
