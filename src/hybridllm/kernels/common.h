@@ -52,12 +52,13 @@ constexpr int64_t PRODUCT_PREFETCH_BYTES = 5120;
 // threads, against locality 3 (`prefetcht0`): decode steps 8-10% faster at 512 (Llama-3.2-1B, the
 // Mistral-shaped file: the weights read 9-11% more per second), 5-9% at 8K with a float16 KV; the
 // decode attention alone 3-9% (on AMD Zen 5: the products the same, the attention 1-6% slower).
-// Other builds (AVX2 and portable): the first-level cache (`prefetcht0`); the AVX2 build on Zen 5
-// against `prefetcht2`: decode steps 3-6% faster at 512 (the products 4-7%), the decode attention
-// alone 5-10% (Qwen3-0.6B's and the Mistral shape's at 8K); on Sapphire Rapids its decode steps
-// the same either way (the attention alone within 3%). A likely cause of the Intel gain (no
-// hardware counters on those VMs to show it): a `prefetcht0` holds one of the first-level cache's
-// few fill buffers until its line arrives, and those bound how many lines a core keeps in flight.
+// Other builds: the first-level cache (`prefetcht0`, __builtin_prefetch's default; the portable
+// build not measured); the AVX2 build on Zen 5 against `prefetcht2`: decode steps at 512 3-6%
+// faster in five of six alternations (one 1% slower), the decode attention alone 5-10%
+// (Qwen3-0.6B's and the Mistral shape's at 8K); on Sapphire Rapids its decode steps the same either
+// way (the attention alone within 3%). A likely cause of the Intel gain (no hardware counters on
+// those VMs to show it): a `prefetcht0` holds one of the first-level cache's few fill buffers until
+// its line arrives, and those bound how many lines a core keeps in flight.
 constexpr int PREFETCH_LOCALITY = HL_AVX512_VNNI ? 1 : 3;
 
 // Asks for `bytes` bytes from address `first` into the cache level PREFETCH_LOCALITY names, a
