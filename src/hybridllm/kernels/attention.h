@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "abi.h"
@@ -388,20 +389,21 @@ inline void score_wide(const float* q, const Keys& keys, int64_t t, float scale,
 #endif
 
 #if defined(__AVX__) && !defined(__AVX512F__)
-// The dots of keys t, t + 1 with G queries (G x 2 accumulators, two keys and a query: 11 of AVX2's
-// 16 registers for G = 4). Always inlined: a call would pass the accumulators through memory.
-template <int VECS, int G, typename Keys>
-__attribute__((always_inline)) inline void pair_dots(const float* q, const Keys& keys, int64_t t, f32xW dots[G][2]) {
+// The dots of keys t .. t + K - 1 with G queries (G x K accumulators and the K keys in registers,
+// each query vector read from memory by its FMAs: 11 of AVX2's 16 registers for two keys and four
+// queries, 15 for three). Always inlined: a call would pass the accumulators through memory.
+template <int VECS, int G, int K, typename Keys>
+__attribute__((always_inline)) inline void key_dots(const float* q, const Keys& keys, int64_t t, f32xW dots[G][K]) {
   constexpr int64_t D = VECS * WLANES;
-  keys.prefetch(t);
-  keys.prefetch(t + 1);
-  for (int g = 0; g < G; ++g) dots[g][0] = dots[g][1] = f32xW{};
+  for (int k = 0; k < K; ++k) keys.prefetch(t + k);
+  for (int g = 0; g < G; ++g)
+    for (int k = 0; k < K; ++k) dots[g][k] = f32xW{};
   for (int i = 0; i < VECS; ++i) {
-    const f32xW k0 = keys.vector(t, i * WLANES), k1 = keys.vector(t + 1, i * WLANES);
+    f32xW key[K];
+    for (int k = 0; k < K; ++k) key[k] = keys.vector(t + k, i * WLANES);
     for (int g = 0; g < G; ++g) {
       const f32xW qv = load_wide(q + g * D + i * WLANES);
-      dots[g][0] = fma_wide(qv, k0, dots[g][0]);
-      dots[g][1] = fma_wide(qv, k1, dots[g][1]);
+      for (int k = 0; k < K; ++k) dots[g][k] = fma_wide(qv, key[k], dots[g][k]);
     }
   }
 }
@@ -410,12 +412,30 @@ __attribute__((always_inline)) inline void pair_dots(const float* q, const Keys&
 template <int VECS, int G, typename Keys>
 inline void score_pair(const float* q, const Keys& keys, int64_t t, float scale, float* scores, int64_t stride) {
   f32xW dots[G][2];
-  pair_dots<VECS, G>(q, keys, t, dots);
+  key_dots<VECS, G, 2>(q, keys, t, dots);
   for (int g = 0; g < G; ++g) {
     float sums[2];
     sum2(dots[g], sums);
     scores[g * stride + t] = sums[0] * scale;
     scores[g * stride + t + 1] = sums[1] * scale;
+  }
+}
+
+// keys t .. t + 2: twelve chains of FMAs for four queries where a pair has eight (AMD Zen 5, d =
+// 128: the decode attention 1.xx-1.xxx); their sums by sum4's additions, the third key's pair
+// partials taken with itself (each key's lanes sum only among themselves), so the same bits.
+template <int VECS, int G, typename Keys>
+inline void score_triple(const float* q, const Keys& keys, int64_t t, float scale, float* scores, int64_t stride) {
+  f32xW dots[G][3];
+  key_dots<VECS, G, 3>(q, keys, t, dots);
+  const __m128 factor = _mm_set1_ps(scale);
+  for (int g = 0; g < G; ++g) {
+    const __m256 third = load<__m256>(&dots[g][2]);
+    const __m256 x = quad_chunks(pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1])),
+                                 pair_partials(third, third));
+    alignas(16) float sums[4];
+    _mm_store_ps(sums, _mm_mul_ps(fold_chunks(x), factor));
+    for (int k = 0; k < 3; ++k) scores[g * stride + t + k] = sums[k];
   }
 }
 
@@ -427,11 +447,11 @@ inline void score_pairs(const float* q, const Keys& keys, int64_t t, float scale
   __m256 first[G];
   {
     f32xW dots[G][2];
-    pair_dots<VECS, G>(q, keys, t, dots);
+    key_dots<VECS, G, 2>(q, keys, t, dots);
     for (int g = 0; g < G; ++g) first[g] = pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1]));
   }
   f32xW dots[G][2];
-  pair_dots<VECS, G>(q, keys, t + 2, dots);
+  key_dots<VECS, G, 2>(q, keys, t + 2, dots);
   const __m128 factor = _mm_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
     const __m256 x = quad_chunks(first[g], pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1])));
@@ -451,6 +471,8 @@ void scores_fixed(const float* q, const Keys& keys, int64_t n, float scale, floa
     // attention 1.14-1.20x, their decode 1.01-1.04x); at d = 128 that measured 0-8% slower (prefill)
     if constexpr (VECS <= 8)
       for (; t + 4 <= n; t += 4) score_pairs<VECS, G>(q, keys, t, scale, scores, stride);
+    else
+      for (; t + 3 <= n; t += 3) score_triple<VECS, G>(q, keys, t, scale, scores, stride);
     for (; t + 2 <= n; t += 2) score_pair<VECS, G>(q, keys, t, scale, scores, stride);
   }
 #endif
@@ -486,61 +508,87 @@ void block_scores(const float* q, const Keys& keys, int64_t n, int64_t d, float 
 // (acc holds the sums so far: a block's keys may come from several stores; `fresh`: it holds
 // zeros, which the registers start from instead of reading them).
 // Value vectors per query held in registers at once when a block's G queries' whole rows (G x VECS
-// vectors) are more than VALUE_ACCUMULATORS: the largest span dividing VECS within them whose
-// accumulators fit the registers beside the G weights and a value vector. On AVX2's 16 registers
-// 24 accumulators (d = 96, two queries) spilled: 12 at a time measured 1.07-1.19x faster there
+// vectors) are more than VALUE_ACCUMULATORS: the fewest passes over the rows whose spans (as even
+// as can be) fit within them beside the G weights and a value vector. On AVX2's 16 registers 24
+// accumulators (d = 96, two queries) spilled: 12 at a time measured 1.07-1.19x faster there
 // (prefill); at 12 for every shape, d = 64 and the float16 decode reads measured slower (more
 // passes over the rows), so 16, fewer where the weights need the room (four queries: 8; with
 // BATCH_QUERIES 4 and score_pair, AMD Zen 5: prefill attention 1.05-1.19x, decode 1.02-1.06x).
+// Spans need not divide VECS: two queries at d = 128 on AVX2 take 5, 5 and 6 vectors (12 FMA
+// chains) where a divisor gave four passes of 4 (8 chains, too few to cover the FMAs' latency).
 #if defined(__AVX512F__)
 constexpr int VALUE_ACCUMULATORS = 24, VECTOR_REGS = 32;
 #else
 constexpr int VALUE_ACCUMULATORS = 16, VECTOR_REGS = 16;
 #endif
 
-constexpr int value_span(int g, int vecs) {
-  for (int span = vecs; span > 1; --span)
-    if (vecs % span == 0 && g * span <= VALUE_ACCUMULATORS && g * span + g + 1 <= VECTOR_REGS) return span;
-  return 1;
+// Whether g queries' accumulators of `span` vectors each fit beside their g weights and a value vector.
+constexpr bool span_fits(int g, int span) { return g * span <= VALUE_ACCUMULATORS && g * span + g + 1 <= VECTOR_REGS; }
+
+// The passes over a block's value rows for g queries of `vecs` vectors: the fewest whose spans (as
+// even as can be: pass k takes vectors [k vecs / passes, (k + 1) vecs / passes)) fit; on 32
+// registers only spans that divide vecs (four queries at d = 256, AMD Zen 5: three passes of 6, 5
+// and 5 vectors measured 2-5% slower than four of 4).
+constexpr int value_passes(int g, int vecs) {
+  for (int passes = 1; passes < vecs; ++passes)
+    if ((VECTOR_REGS == 16 || vecs % passes == 0) && span_fits(g, (vecs + passes - 1) / passes)) return passes;
+  return vecs;
 }
 
-template <int VECS, int G, typename Values>
-void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc, bool fresh) {
+// One pass: vectors [first, first + SPAN) of every query's sums, each value vector read once (and
+// asked for ahead by the first pass of the first queries).
+template <int VECS, int G, int SPAN, bool PREFETCH, typename Values>
+__attribute__((always_inline)) inline void accumulate_span(const Values& values, int64_t n, const float* p,
+                                                           int64_t stride, float* acc, bool fresh, int first) {
   constexpr int64_t D = WLANES * VECS;
-  if constexpr (value_span(G, VECS) == VECS) {
-    f32xW a[G][VECS];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < VECS; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * i);
-    for (int64_t t = 0; t < n; ++t) {
-      values.prefetch(t);
-      f32xW weight[G];
-      for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
-      for (int i = 0; i < VECS; ++i) {
-        const f32xW v = values.vector(t, WLANES * i);
-        for (int g = 0; g < G; ++g) a[g][i] = fma_wide(weight[g], v, a[g][i]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < VECS; ++i) store(acc + g * D + WLANES * i, a[g][i]);
-  } else {  // the same sums, SPAN vectors of every query at a time (each value vector read once per span)
-    constexpr int SPAN = value_span(G, VECS);
-    for (int i0 = 0; i0 < VECS; i0 += SPAN) {
-      f32xW a[G][SPAN];
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < SPAN; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * (i0 + i));
-      for (int64_t t = 0; t < n; ++t) {
-        if (i0 == 0) values.prefetch(t);  // the first span reads each row first
-        f32xW weight[G];
-        for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
-        for (int i = 0; i < SPAN; ++i) {
-          const f32xW v = values.vector(t, WLANES * (i0 + i));
-          for (int g = 0; g < G; ++g) a[g][i] = fma_wide(weight[g], v, a[g][i]);
-        }
-      }
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < SPAN; ++i) store(acc + g * D + WLANES * (i0 + i), a[g][i]);
+  f32xW a[G][SPAN];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < SPAN; ++i) a[g][i] = fresh ? f32xW{} : load<f32xW>(acc + g * D + WLANES * (first + i));
+  for (int64_t t = 0; t < n; ++t) {
+    if (PREFETCH && first == 0) values.prefetch(t);
+    f32xW weight[G];
+    for (int g = 0; g < G; ++g) weight[g] = f32xW{} + p[g * stride + t];
+    for (int i = 0; i < SPAN; ++i) {
+      const f32xW v = values.vector(t, WLANES * (first + i));
+      for (int g = 0; g < G; ++g) a[g][i] = fma_wide(weight[g], v, a[g][i]);
     }
   }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < SPAN; ++i) store(acc + g * D + WLANES * (first + i), a[g][i]);
+}
+
+// G queries' sums in the passes value_passes sets, pass k over vectors [k VECS / P, (k + 1) VECS /
+// P): spans of one size as a loop (the code of one pass: four inlined copies measured 2-8% slower
+// on AVX-512), uneven ones each inlined.
+template <int VECS, int G, bool PREFETCH, typename Values, int... PASS>
+inline void accumulate_passes(const Values& values, int64_t n, const float* p, int64_t stride, float* acc, bool fresh,
+                              std::integer_sequence<int, PASS...>) {
+  constexpr int P = sizeof...(PASS);
+  if constexpr (VECS % P == 0) {
+    for (int first = 0; first < VECS; first += VECS / P)
+      accumulate_span<VECS, G, VECS / P, PREFETCH>(values, n, p, stride, acc, fresh, first);
+  } else {
+    (accumulate_span<VECS, G, (PASS + 1) * VECS / P - PASS * VECS / P, PREFETCH>(values, n, p, stride, acc, fresh,
+                                                                                 PASS * VECS / P),
+     ...);
+  }
+}
+
+// The queries whose sums go through the rows together: all G, but on 16 registers four queries
+// with more than 8 vectors each (two per pass: 8 FMA chains) as three (four per pass: 12 chains)
+// and then the fourth alone (8 per pass). AMD Zen 5, AVX2 build, d = 128 and 256 at 8K, float16
+// KV: the decode attention 1.07x and 1.11x (with score_triple).
+constexpr int value_query_group(int g, int vecs) { return VECTOR_REGS == 16 && g == 4 && vecs > 8 ? 3 : g; }
+
+// Each sum's FMAs in key order, whatever the passes or the query groups: the same bits for any.
+template <int VECS, int G, typename Values>
+void accumulate_fixed(const Values& values, int64_t n, const float* p, int64_t stride, float* acc, bool fresh) {
+  constexpr int FIRST_GROUP = value_query_group(G, VECS), REST = G - FIRST_GROUP;
+  accumulate_passes<VECS, FIRST_GROUP, true>(values, n, p, stride, acc, fresh,
+                                             std::make_integer_sequence<int, value_passes(FIRST_GROUP, VECS)>{});
+  if constexpr (REST > 0)
+    accumulate_passes<VECS, REST, false>(values, n, p + FIRST_GROUP * stride, stride, acc + FIRST_GROUP * WLANES * VECS,
+                                         fresh, std::make_integer_sequence<int, value_passes(REST, VECS)>{});
 }
 
 template <int G, typename Values>
