@@ -421,9 +421,10 @@ inline void score_pair(const float* q, const Keys& keys, int64_t t, float scale,
   }
 }
 
-// keys t .. t + 2: twelve chains of FMAs for four queries where a pair has eight (AMD Zen 5, d =
-// 128: the decode attention 1.xx-1.xxx); their sums by sum4's additions, the third key's pair
-// partials taken with itself (each key's lanes sum only among themselves), so the same bits.
+// keys t .. t + 2 (past d = 64): twelve chains of FMAs for four queries where a pair has eight, too
+// few to cover the FMAs' latency (AMD Zen 5, the scores' loop from the first-level cache: 97% of
+// the FMA peak against 82%); their sums by sum4's additions, the third key's pair partials taken
+// with itself (each key's lanes sum only among themselves), so the same bits as a pair's or four's.
 template <int VECS, int G, typename Keys>
 inline void score_triple(const float* q, const Keys& keys, int64_t t, float scale, float* scores, int64_t stride) {
   f32xW dots[G][3];
