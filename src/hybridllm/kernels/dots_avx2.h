@@ -369,7 +369,11 @@ __attribute__((always_inline)) inline void quads_dot_halves(const QuadSource& sr
       d[h] = DIGITS == 2 ? _mm256_add_epi32(_mm256_slli_epi32(high[h], 7), low[h]) : _mm256_slli_epi32(high[h], 7);
   } else {
     __m256i high_run[2] = {zero, zero}, low_run[2] = {zero, zero};
-    d[0] = d[1] = zero;
+    bool started[2] = {false, false};  // (known at each unrolled step: the first widened run is d's start)
+    const auto widen_into = [&](int h, __m256i widened) {
+      d[h] = started[h] ? _mm256_add_epi32(d[h], widened) : widened;
+      started[h] = true;
+    };
 #pragma GCC unroll 8
     for (int k = 0; k < N; ++k) {
       const int i = FIRST + k;
@@ -381,15 +385,15 @@ __attribute__((always_inline)) inline void quads_dot_halves(const QuadSource& sr
         high_run[h] = k % RUN_HIGH == 0 ? p : _mm256_add_epi16(high_run[h], p);
         in_register(high_run[h]);
         if (k % RUN_HIGH == RUN_HIGH - 1 || k == N - 1)
-          d[h] = _mm256_add_epi32(d[h], _mm256_madd_epi16(high_run[h], _mm256_set1_epi16(128)));
+          widen_into(h, _mm256_madd_epi16(high_run[h], _mm256_set1_epi16(128)));
         if constexpr (DIGITS == 2) {
           const __m256i p_low = _mm256_maddubs_epi16(q, low_inputs);
           low_run[h] = k % RUN_LOW == 0 ? p_low : _mm256_add_epi16(low_run[h], p_low);
           in_register(low_run[h]);
           if (k % RUN_LOW == RUN_LOW - 1 || k == N - 1)
-            d[h] = _mm256_add_epi32(d[h], _mm256_madd_epi16(low_run[h], _mm256_set1_epi16(1)));
+            widen_into(h, _mm256_madd_epi16(low_run[h], _mm256_set1_epi16(1)));
         }
-        in_register(d[h]);
+        if (started[h]) in_register(d[h]);
       }
     }
   }
