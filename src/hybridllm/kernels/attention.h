@@ -578,7 +578,7 @@ inline void accumulate_passes(const Values& values, int64_t n, const float* p, i
 // The queries whose sums go through the rows together: all G, but on 16 registers four queries
 // with more than 8 vectors each (two per pass: 8 FMA chains) as three (four per pass: 12 chains)
 // and then the fourth alone (8 per pass). AMD Zen 5, AVX2 build, d = 128 and 256 at 8K, float16
-// KV: the decode attention 1.07x and 1.11x (with score_triple).
+// KV: the decode attention 1.06-1.09x and 1.11-1.16x (with score_triple).
 constexpr int value_query_group(int g, int vecs) { return VECTOR_REGS == 16 && g == 4 && vecs > 8 ? 3 : g; }
 
 // Each sum's FMAs in key order, whatever the passes or the query groups: the same bits for any.
