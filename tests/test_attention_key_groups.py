@@ -4,7 +4,7 @@ The kernels score a block's keys in groups whose size depends on the build, the 
 query heads per KV head and how many keys the block's run holds (on AVX2: three, two or four keys
 at a time, and a lone last key); each key's dot is FMAs in order over the head and a fixed
 reduction of its own lanes, so a key's score may not depend on its group. Here the same keys are
-attended with one, two or three extra keys past them whose scores are so low that they add
+attended with one to six extra keys past them whose scores are so low that they add
 nothing (exp clamps to ~1e-38: the softmax sum and every output sum stay the same floats): the
 extra keys move the last block's keys into other groups (17 keys on AVX2 at d >= 96: five threes and
 a pair; 18: six threes; 19: and a lone key), and the outputs and log-sum-exps must stay bitwise
