@@ -80,6 +80,10 @@ inline __m256 quad_chunks(__m256 ab, __m256 cd) {
 }
 // The second stage across the chunks on AVX2: chunk_0 + chunk_1, lane by lane.
 inline __m128 fold_chunks(__m256 x) { return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)); }
+// Four keys' scores from two pairs' partials: their chunk sums folded, times the scale.
+inline __m128 four_scores(__m256 ab, __m256 cd, __m128 factor) {
+  return _mm_mul_ps(fold_chunks(quad_chunks(ab, cd)), factor);
+}
 #endif
 
 #if defined(__AVX__)
@@ -432,10 +436,9 @@ inline void score_triple(const float* q, const Keys& keys, int64_t t, float scal
   const __m128 factor = _mm_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
     const __m256 third = load<__m256>(&dots[g][2]);
-    const __m256 x = quad_chunks(pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1])),
-                                 pair_partials(third, third));
     alignas(16) float sums[4];
-    _mm_store_ps(sums, _mm_mul_ps(fold_chunks(x), factor));
+    _mm_store_ps(sums, four_scores(pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1])),
+                                   pair_partials(third, third), factor));
     for (int k = 0; k < 3; ++k) scores[g * stride + t + k] = sums[k];
   }
 }
@@ -455,8 +458,8 @@ inline void score_pairs(const float* q, const Keys& keys, int64_t t, float scale
   key_dots<VECS, G, 2>(q, keys, t + 2, dots);
   const __m128 factor = _mm_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
-    const __m256 x = quad_chunks(first[g], pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1])));
-    _mm_storeu_ps(scores + g * stride + t, _mm_mul_ps(fold_chunks(x), factor));
+    _mm_storeu_ps(scores + g * stride + t,
+                  four_scores(first[g], pair_partials(load<__m256>(&dots[g][0]), load<__m256>(&dots[g][1])), factor));
   }
 }
 #endif
