@@ -839,19 +839,26 @@ struct RowBlocks {
 };
 
 // ---- decode rows ----------------------------------------------------------------------------
-// A decode call's blocks per item: long runs of consecutive blocks (one KV head's keys and values
-// read as long streams, which the hardware prefetcher keeps ahead of), yet about 8 items per
-// thread for the claiming to even out. The items only share the work out: a row's blocks and
-// their merge order, hence its bits, do not depend on them.
-inline int64_t decode_blocks_per_item(int64_t blocks, int threads) {
-  return std::clamp<int64_t>(blocks / (8 * static_cast<int64_t>(std::max(threads, 1))), MIN_BLOCKS_PER_ITEM,
-                             MAX_BLOCKS_PER_ITEM);
+constexpr int64_t WHOLE_PAIRS_PER_THREAD = 4;  // (row, KV head) pairs per thread for whole-pair items
+
+// A decode call's blocks per item. Where the (row, KV head) pairs give every thread at least
+// WHOLE_PAIRS_PER_THREAD, each pair is one item (its `longest`-or-fewer blocks), which merges its
+// blocks as it goes: no block results written and read back (on AMD Zen 5, the Mistral shape at
+// 8K: that merge was 14% of the AVX2 build's attention, its loads of the kept results most of it).
+// Else long runs of consecutive blocks (one KV head's keys and values read as long streams, which
+// the hardware prefetcher keeps ahead of), yet about 8 items per thread for the claiming to even
+// out. The items only share the work out: a row's blocks and their merge order, hence its bits, do
+// not depend on them.
+inline int64_t decode_blocks_per_item(int64_t blocks, int64_t pairs, int64_t longest, int threads) {
+  const int64_t team = std::max(threads, 1);
+  if (pairs >= WHOLE_PAIRS_PER_THREAD * team) return std::max<int64_t>(longest, 1);
+  return std::clamp<int64_t>(blocks / (8 * team), MIN_BLOCKS_PER_ITEM, MAX_BLOCKS_PER_ITEM);
 }
 
 // The block results of decode rows, shared by a team; its buffers only grow.
 struct AttentionParts {
   std::vector<float> out, max, sum;
-  std::vector<int64_t> row_blocks, item_offsets;  // (rows + 1,): where each row's blocks / items start
+  std::vector<int64_t> row_blocks, item_offsets;  // (rows + 1,): where each row's kept blocks / items start
   int64_t blocks_per_item = MIN_BLOCKS_PER_ITEM;   // this call's item size (decode_blocks_per_item)
 
   void reserve(int64_t blocks, int64_t group_outputs, int64_t rows) {
@@ -873,8 +880,9 @@ struct AttentionParts {
 // caches[r].start, over its own KV -> out (rows, H, D), and where lse is not null the log-sum-exp
 // of each (row, head)'s scores -> lse (rows, H) (a partial attention another part merges with), by
 // the team (`parts` sized by thread 0 between barriers). Items (row, KV head, up to
-// parts.blocks_per_item consecutive blocks) are claimed as the threads come; then each (row, query head) merges its
-// blocks in order.
+// parts.blocks_per_item consecutive blocks) are claimed as the threads come; an item holding a
+// whole row's blocks merges them as it goes, the other rows' (row, query head)s merge their kept
+// block results in order after a barrier.
 void attention_team(const Team& team, const float* q, int64_t q_stride, const HLLayerCache* caches,
                     int64_t rows, int n_heads, int n_kv_heads, int64_t d, const ScoreOptions& options,
                     float* out, AttentionParts& parts, BlockScratch& scratch, float* lse = nullptr);

@@ -40,7 +40,8 @@ def sources() -> list[Path]:
     """Every file the build reads: the translation units and the headers they include."""
     return [*UNITS, *sorted(KERNEL_DIR.glob("*.h"))]
 
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-pthread", "-fno-math-errno", "-fvisibility=hidden", "-shared", "-fPIC",
+         "-std=c++17")
 MARCH_ENV = "HYBRIDLLM_KERNEL_MARCH"  # the -march the kernels are built for (default: native)
 ABI_VERSION = 10  # must equal ABI_VERSION in abi.h
 

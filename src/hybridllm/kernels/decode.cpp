@@ -41,6 +41,11 @@
 
 using namespace hl;
 
+// Only these entry points are exported (the build hides every other symbol): two builds loaded in
+// one process (the tests load the native, AVX2 and portable ones) then keep their own thread pool
+// and workspace, whose function-local statics would otherwise be bound process-wide (GNU unique
+// symbols) to whichever build was loaded first.
+#pragma GCC visibility push(default)
 extern "C" {
 
 int32_t hl_abi_version() { return ABI_VERSION; }
@@ -312,3 +317,4 @@ double* hl_phase_seconds() { return phase_seconds; }
 #endif
 
 }  // extern "C"
+#pragma GCC visibility pop
