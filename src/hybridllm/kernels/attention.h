@@ -16,9 +16,10 @@
 // whichever store layout, kernel or thread reads it, and a block spanning several stores reads
 // each run in place, no float copy.
 //
-// Decode rows: the blocks of a row go to the threads as items (row, KV head, a run of
-// consecutive blocks), each block's (m_b, l_b, o_b) kept, then each (row, query head) merges
-// its blocks in order; their keys and values are read in place. Prefill chunks: items (chunk,
+// Decode rows: the blocks of a row go to the threads as items, a whole (row, KV head) merging its
+// blocks as it goes where there are enough such pairs, else (row, KV head, a run of consecutive
+// blocks) with each block's (m_b, l_b, o_b) kept and each (row, query head) merging its blocks in
+// order after; their keys and values are read in place. Prefill chunks: items (chunk,
 // QUERY_ROWS positions, KV head), each row merging its blocks as it goes; a block read by many
 // queries is gathered once as float32 rows (the same values). The same block function and the
 // same merge either way.
