@@ -72,6 +72,17 @@ def _cpu_has(flag: str) -> bool:
     return cpuinfo.exists() and f" {flag}" in cpuinfo.read_text(errors="replace")
 
 
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+def each_build(request):
+    """The kernels of this machine's build, the AVX2 build and the portable build in turn (the tests
+    of one arithmetic on every instruction set)."""
+    if request.param == "native":
+        from hybridllm.kernels.abi import kernels
+
+        return kernels()
+    return request.getfixturevalue(f"{request.param}_library")
+
+
 @pytest.fixture(scope="session")
 def portable_library():
     """The kernels built without x86 vector extensions (no AVX2, FMA or F16C): the path of other CPUs."""

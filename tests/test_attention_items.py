@@ -25,13 +25,9 @@ pytestmark = NEEDS_COMPILER
 TOKENS = 1000  # 16 blocks of 64 keys (the last one partial)
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
-def library(request):
-    if request.param == "native":
-        from hybridllm.kernels.abi import kernels
-
-        return kernels()
-    return request.getfixturevalue(f"{request.param}_library")
+@pytest.fixture
+def library(each_build):
+    return each_build
 
 
 def attend(library, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_kv_heads: int, threads: int):

@@ -30,13 +30,9 @@ TOKENS = 145  # two whole 64-key blocks and 17 keys of a third
 CAPACITY = 160
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
-def library(request):
-    if request.param == "native":
-        from hybridllm.kernels.abi import kernels
-
-        return kernels()
-    return request.getfixturevalue(f"{request.param}_library")
+@pytest.fixture
+def library(each_build):
+    return each_build
 
 
 def attend(library, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tokens: int, n_kv_heads: int):

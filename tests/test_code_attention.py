@@ -93,13 +93,9 @@ CASES = [  # (head_dim, group, key_group)
 ]
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
-def library(request):
-    if request.param == "native":
-        from hybridllm.kernels.abi import kernels
-
-        return kernels()
-    return request.getfixturevalue(f"{request.param}_library")
+@pytest.fixture
+def library(each_build):
+    return each_build
 
 
 @pytest.mark.parametrize("fmt", [KVFormat.Q8, KVFormat.Q4, KVFormat.Q8_CHANNEL_KEYS, KVFormat.Q4_CHANNEL_KEYS])
