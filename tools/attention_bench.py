@@ -9,7 +9,11 @@ over ``--context`` keys, ``hl_attention``, every call on a different layer's key
 them, so that they come from memory as in a decode step). Random queries, keys and values; the
 best of ``--repeat`` rounds, the builds alternating. ``--against`` loads another build's library
 (a cached ``decode-*.so`` of an older checkout: ``python -c "from hybridllm.kernels import build;
-print(build.build_library(()).path)"`` there) and checks that both give the same bits.
+print(build.build_library(()).path)"`` there) and checks that both give the same bits. Each build
+has its own thread team, whose workers spin for a while after a call: each is run untimed for 2 ms
+before it is timed, so that the other's have gone to sleep (a library built before commit 581277d
+shares the first-loaded build's team and workspace instead, which is safe only when their layouts
+match).
 """
 
 from __future__ import annotations
