@@ -66,15 +66,20 @@ void merge_block_results(float* states, int64_t n, int group, int64_t d, const P
   }
 }
 
-// A row's merged state (m (G), l (G), o (G, d)) -> its G outputs o / l at out (G, d), and where lse
-// is not null m + log l at lse (G).
-void finish_row(const float* state, int group, int64_t d, float* out, float* lse) {
-  for (int g = 0; g < group; ++g) {
-    const float inverse = 1.0f / state[group + g];
-    const float* o = state + 2 * group + g * d;
-    for (int64_t j = 0; j < d; ++j) out[g * d + j] = o[j] * inverse;
-    if (lse != nullptr) lse[g] = state[g] + std::log(state[group + g]);
+// `count` queries' merged max m, sum l and output o (count, d) -> their outputs o / l at out
+// (count, d; may be o itself), and where lse is not null m + log l at lse (count).
+void finish_queries(const float* m, const float* l, const float* o, int64_t count, int64_t d, float* out, float* lse) {
+  for (int64_t g = 0; g < count; ++g) {
+    const float inverse = 1.0f / l[g];
+    for (int64_t j = 0; j < d; ++j) out[g * d + j] = o[g * d + j] * inverse;
+    if (lse != nullptr) lse[g] = m[g] + std::log(l[g]);
   }
+}
+
+// A row's merged state (m (G), l (G), o (G, d)) -> its G outputs at out (G, d), and lse (G) where
+// not null.
+void finish_row(const float* state, int group, int64_t d, float* out, float* lse) {
+  finish_queries(state, state + group, state + 2 * group, group, d, out, lse);
 }
 
 // ---- decode rows ----------------------------------------------------------------------------
@@ -158,9 +163,7 @@ void attention_team(const Team& team, const float* q, int64_t q_stride, const HL
       merge_into(m, l, o, parts.max[slot * stride + g], parts.sum[slot * stride + g],
                  parts.out.data() + (slot * stride + g) * d, d, blk == 0);
     }
-    const float inverse = 1.0f / l;
-    for (int64_t j = 0; j < d; ++j) o[j] *= inverse;
-    if (lse != nullptr) lse[i] = m + std::log(l);
+    finish_queries(&m, &l, o, 1, d, o, lse == nullptr ? nullptr : lse + i);
   }
   team.barrier();
 }
