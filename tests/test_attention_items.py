@@ -25,11 +25,6 @@ pytestmark = NEEDS_COMPILER
 TOKENS = 1000  # 16 blocks of 64 keys (the last one partial)
 
 
-@pytest.fixture
-def library(each_build):
-    return each_build
-
-
 def attend(library, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_kv_heads: int, threads: int):
     fmt = KVFormat.F16 if keys.dtype == torch.float16 else KVFormat.F32
     run = {"format": int(fmt), "tokens": TOKENS, "row0": 0, "capacity": TOKENS, "k": keys.data_ptr(),
@@ -46,25 +41,25 @@ def kv(n_kv_heads: int, head_dim: int, dtype: torch.dtype, generator: torch.Gene
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
-def test_whole_pair_items_and_runs_of_blocks_give_the_same_bits(library, dtype, head_dim, group):
+def test_whole_pair_items_and_runs_of_blocks_give_the_same_bits(each_build, dtype, head_dim, group):
     generator = torch.Generator().manual_seed(head_dim + group)
     keys, values = kv(2, head_dim, dtype, generator)
     rows = torch.randn(1, 2 * group, 4, head_dim, generator=generator)  # (1, H, rows, D)
-    alone = attend(library, rows[:, :, :1], keys, values, 2, threads=2)  # 2 pairs on 2 threads: runs
-    together = attend(library, rows, keys, values, 2, threads=2)  # 8 pairs: whole items
-    one_thread = attend(library, rows[:, :, :1], keys, values, 2, threads=1)  # 2 pairs: runs
+    alone = attend(each_build, rows[:, :, :1], keys, values, 2, threads=2)  # 2 pairs on 2 threads: runs
+    together = attend(each_build, rows, keys, values, 2, threads=2)  # 8 pairs: whole items
+    one_thread = attend(each_build, rows[:, :, :1], keys, values, 2, threads=1)  # 2 pairs: runs
     for out, lse in (together, one_thread):
         assert torch.equal(out[:, :, :1], alone[0]) and torch.equal(lse[:, :, :1], alone[1])
     assert not torch.equal(together[0][:, :, 1], together[0][:, :, 0])  # other rows, other outputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_whole_pairs_on_one_thread_equal_runs_on_three(library, dtype):
+def test_whole_pairs_on_one_thread_equal_runs_on_three(each_build, dtype):
     generator = torch.Generator().manual_seed(7)
     keys, values = kv(4, 128, dtype, generator)
     q = torch.randn(1, 8, 1, 128, generator=generator)
-    whole = attend(library, q, keys, values, 4, threads=1)  # 4 pairs on 1 thread: whole items
-    runs = attend(library, q, keys, values, 4, threads=3)  # 4 pairs on 3 threads: runs of blocks
+    whole = attend(each_build, q, keys, values, 4, threads=1)  # 4 pairs on 1 thread: whole items
+    runs = attend(each_build, q, keys, values, 4, threads=3)  # 4 pairs on 3 threads: runs of blocks
     assert torch.equal(whole[0], runs[0]) and torch.equal(whole[1], runs[1])
     reference = torch.nn.functional.scaled_dot_product_attention(
         q, keys.float().repeat_interleave(2, 0)[None], values.float().repeat_interleave(2, 0)[None])

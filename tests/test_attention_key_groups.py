@@ -30,11 +30,6 @@ TOKENS = 145  # two whole 64-key blocks and 17 keys of a third
 CAPACITY = 160
 
 
-@pytest.fixture
-def library(each_build):
-    return each_build
-
-
 def attend(library, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tokens: int, n_kv_heads: int):
     fmt = KVFormat.F16 if keys.dtype == torch.float16 else KVFormat.F32
     run = {"format": int(fmt), "tokens": tokens, "row0": 0, "capacity": CAPACITY,
@@ -45,27 +40,27 @@ def attend(library, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, t
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (6, 2), (8, 2)])  # 1 to 4 queries per KV head
-def test_a_keys_score_does_not_depend_on_its_key_group(library, dtype, head_dim, n_heads, n_kv_heads):
+def test_a_keys_score_does_not_depend_on_its_key_group(each_build, dtype, head_dim, n_heads, n_kv_heads):
     generator = torch.Generator().manual_seed(head_dim + 10 * n_heads + n_kv_heads)
     q = torch.rand(1, n_heads, 1, head_dim, generator=generator) + 0.1  # positive: the extra keys score low
     keys = (torch.rand(n_kv_heads, CAPACITY, head_dim, generator=generator) * 4 - 2).to(dtype)
     values = (torch.rand(n_kv_heads, CAPACITY, head_dim, generator=generator) * 4 - 2).to(dtype)
     keys[:, TOKENS:] = -1000.0  # scores ~ -1000 sqrt(D) / 2: exp clamped, ~1e-38 of the others
-    out, lse = attend(library, q, keys, values, TOKENS, n_kv_heads)
+    out, lse = attend(each_build, q, keys, values, TOKENS, n_kv_heads)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     for extra in range(1, 7):
-        more_out, more_lse = attend(library, q, keys, values, TOKENS + extra, n_kv_heads)
+        more_out, more_lse = attend(each_build, q, keys, values, TOKENS + extra, n_kv_heads)
         assert torch.equal(more_out, out), f"{extra} extra keys changed the output"
         assert torch.equal(more_lse, lse), f"{extra} extra keys changed the log-sum-exp"
 
 
-def test_the_extra_keys_are_seen(library):
+def test_the_extra_keys_are_seen(each_build):
     """Not blind: an extra key that scores high changes the output."""
     generator = torch.Generator().manual_seed(0)
     q = torch.rand(1, 8, 1, 128, generator=generator) + 0.1
     keys = (torch.rand(2, CAPACITY, 128, generator=generator) * 4 - 2).to(torch.float16)
     values = (torch.rand(2, CAPACITY, 128, generator=generator) * 4 - 2).to(torch.float16)
     keys[:, TOKENS] = 2.0
-    out, _ = attend(library, q, keys, values, TOKENS, 2)
-    more_out, _ = attend(library, q, keys, values, TOKENS + 1, 2)
+    out, _ = attend(each_build, q, keys, values, TOKENS, 2)
+    more_out, _ = attend(each_build, q, keys, values, TOKENS + 1, 2)
     assert not torch.equal(more_out, out)

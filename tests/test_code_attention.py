@@ -93,18 +93,14 @@ CASES = [  # (head_dim, group, key_group)
 ]
 
 
-@pytest.fixture
-def library(each_build):
-    return each_build
-
-
 @pytest.mark.parametrize("fmt", [KVFormat.Q8, KVFormat.Q4, KVFormat.Q8_CHANNEL_KEYS, KVFormat.Q4_CHANNEL_KEYS])
 @pytest.mark.parametrize("head_dim,group,key_group", CASES)
 @pytest.mark.parametrize("queries", [1, 7])
-def test_attention_on_the_codes_equals_dequantized_float_attention(library, fmt, head_dim, group, key_group, queries):
+def test_attention_on_the_codes_equals_dequantized_float_attention(each_build, fmt, head_dim, group, key_group,
+                                                                   queries):
     stored = QuantizedRun(fmt, head_dim, group, key_group, seed=head_dim * 1000 + group * 10 + int(fmt))
     q = torch.randn(1, N_HEADS, queries, head_dim, generator=torch.Generator().manual_seed(queries))
-    out, lse = HostPartialAttention(threads=2, library=library)(q, stored.run(), N_KV_HEADS)
+    out, lse = HostPartialAttention(threads=2, library=each_build)(q, stored.run(), N_KV_HEADS)
     expected_out, expected_lse = reference(q[0], *stored.dequantized())
     assert out.shape == (1, N_HEADS, queries, head_dim) and lse.shape == (1, N_HEADS, queries)
     torch.testing.assert_close(out[0].double(), expected_out, atol=1e-5, rtol=1e-5)

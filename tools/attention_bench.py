@@ -11,9 +11,8 @@ best of ``--repeat`` rounds, the builds alternating. ``--against`` loads another
 (a cached ``decode-*.so`` of an older checkout: ``python -c "from hybridllm.kernels import build;
 print(build.build_library(()).path)"`` there) and checks that both give the same bits. Each build
 has its own thread team, whose workers spin for a while after a call: each is run untimed for 2 ms
-before it is timed, so that the other's have gone to sleep (a library built before commit 581277d
-shares the first-loaded build's team and workspace instead, which is safe only when their layouts
-match).
+before it is timed, so that the other's have gone to sleep (two libraries both built before commit
+581277d share one team and workspace instead, which is safe only when their layouts match).
 """
 
 from __future__ import annotations
