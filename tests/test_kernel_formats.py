@@ -18,7 +18,7 @@ import torch
 
 from hybridllm.kernels import native
 from hybridllm.kernels.native_linear import NativeQuantEmbedding, NativeQuantLinear, native_module
-from hybridllm.models.quantized import Int8GroupedLinear, Int8Linear
+from hybridllm.models.quantized import Int4Linear, Int8GroupedLinear, Int8Linear
 
 from conftest import NEEDS_COMPILER
 
@@ -115,6 +115,57 @@ def test_engine_int8_rows_in_several_tile_passes_take_their_row_scales_once(amx)
     tiled = native_module(Int8Linear.from_float(torch.randn(136, 8192, generator=torch.Generator().manual_seed(3))))
     x = torch.randn(17, 8192, generator=torch.Generator().manual_seed(4))
     assert_every_kernel_is_the_reference(native.linear_view(tiled), x, amx)
+
+
+@pytest.fixture
+def panels():
+    """The kernels with AMX tiles off (the panels take many rows where tiles would), restored after."""
+    library = native.kernels()
+    library.hl_set_amx(0)
+    yield library
+    library.hl_set_panels(1)
+    library.hl_set_amx(1)
+
+
+def assert_panels_are_the_reference(view, x: torch.Tensor, library) -> None:
+    """The product of x with the view's weights on the panels (AVX-512 VNNI builds: the input rows
+    in the lanes, dots_panels.h) and on the row kernels: bit for bit the portable reference's, and
+    each row as alone."""
+    reference = native.reference_linear(view, x)
+    for on in (1, 0):
+        library.hl_set_panels(on)
+        assert torch.equal(native.linear(view, x), reference), f"panels={on}"
+    alone = torch.cat([native.linear(view, x[i:i + 1]) for i in range(0, x.shape[0], 9)])
+    assert torch.equal(alone, reference[::9])
+
+
+@pytest.mark.parametrize("digits", [2, 1])
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [64, 100])  # 4 input blocks; 7 (the panel steps' widths and single blocks), 4 padding rows
+def test_panels_give_every_row_the_reference_bits(type_name, digits, rows, panels):
+    layer, _ = held(type_name, 40, 768, seed=rows + digits, digits=digits)  # 40: a partial last row block
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    assert_panels_are_the_reference(native.linear_view(layer), x, panels)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
+def test_panels_over_several_passes_are_the_same_bits(type_name, panels):
+    """The panels unpack an item's row blocks over spans of the inputs (dots_panels.h:
+    PASS_PANEL_BYTES), each output's float sum carried through a scratch between passes: with 8,192
+    inputs (256 groups of 9 row blocks: several passes) the reference's bits, as in one pass."""
+    layer, _ = held(type_name, 136, 8192, seed=12)
+    x = torch.randn(70, 8192, generator=torch.Generator().manual_seed(12))
+    assert_panels_are_the_reference(native.linear_view(layer), x, panels)
+
+
+@pytest.mark.parametrize("module", [Int8Linear, Int8GroupedLinear, Int4Linear])
+def test_panels_take_the_engines_formats(module, panels):
+    """The engine's int8 (a scale per row, multiplied once after the last pass; per group) and int4
+    (bf16 scale and zero) on the panels, over several passes."""
+    rows = 144 if module is Int4Linear else 136  # (int4 holds whole 16-row blocks only)
+    tiled = native_module(module.from_float(torch.randn(rows, 8192, generator=torch.Generator().manual_seed(5))))
+    x = torch.randn(70, 8192, generator=torch.Generator().manual_seed(6))
+    assert_panels_are_the_reference(native.linear_view(tiled), x, panels)
 
 
 def assert_every_kernel_is_the_reference(view, x: torch.Tensor, amx) -> None:

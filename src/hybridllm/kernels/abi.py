@@ -137,6 +137,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
         "hl_dequantize_rows": ([linear, ptr, i64, ptr], None),
         "hl_amx": ([], i32),
         "hl_set_amx": ([i32], i32),
+        "hl_set_panels": ([i32], i32),
         "hl_attention": ([ptr, ptr, ptr, i32, i64, i64, i32, i32, i32, ptr, i32], None),
         "hl_partial_attention": ([ptr, i64, ctypes.POINTER(HLKVSegment), i32, i32, i32, f32, f32, ptr, ptr, i32], None),
         "hl_prefill_attention": ([ptr, ptr, ptr, i32, i64, i64, i64, i32, i32, i32, i32, ptr, i32], None),

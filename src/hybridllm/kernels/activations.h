@@ -48,21 +48,31 @@ struct InputRow {
 // Bytes of one group's two digits of one row.
 constexpr int64_t DIGIT_BYTES = 2 * GROUP;
 
+// How the digits lie. ROWS: a row's groups one after another (q then q_low per group). TILES
+// (the AMX kernels): per block of TILE_M rows and group, the 16 rows' 64 bytes one after another
+// (an A operand each digit). QUADS (the panel kernels, dots_panels.h): per block and group,
+// [digit][quad][row] of 4 bytes each, so that a quad's 4 inputs of the block's 16 rows are one
+// 64-byte vector (the rows in a register's lanes); its rows are read only that way, never through
+// row(). TILES and QUADS also keep each block's per-group figures side by side (tile_params).
+enum class DigitLayout { ROWS, TILES, QUADS };
+
 // The prepared rows of one product's input (M, K). A thread prepares its own copy (decode: a
 // few rows, no barrier), or a team shares one (many rows): `reset` once, then `fill` by row
-// ranges of whole TILE_M blocks, then a barrier. With `tiles`, each block of TILE_M rows also
-// gets its per-group figures side by side (what the AMX kernels read: tile_params).
+// ranges of whole TILE_M blocks, then a barrier. The layout (DigitLayout) says how the digits lie
+// for the kernels that read them; with TILES or QUADS each block of TILE_M rows also gets its
+// per-group figures side by side (tile_params).
 class InputRows {
  public:
   // Size the buffers for x (rows, k) and zero the padding rows.
-  void reset(const float* x, int64_t rows, int64_t k, bool tiles = false, int32_t digits = EXACT_DIGITS) {
+  void reset(const float* x, int64_t rows, int64_t k, DigitLayout layout = DigitLayout::ROWS,
+             int32_t digits = EXACT_DIGITS) {
     x_ = x;
     one_digit_ = digits == 1;
     rows_ = rows;
     padded_ = (rows + TILE_M - 1) / TILE_M * TILE_M;
     k_ = k;
     groups_ = k / GROUP;
-    tiles_ = tiles;
+    layout_ = layout;
     sums_.resize(padded_ * groups_);
     dot_scales_.resize(padded_ * groups_);
     digit_sums_.resize(padded_ * groups_ * 2);
@@ -70,9 +80,14 @@ class InputRows {
     std::fill(sums_.begin() + rows * groups_, sums_.end(), 0.0f);
     std::fill(dot_scales_.begin() + rows * groups_, dot_scales_.end(), 0.0f);
     std::fill(digit_sums_.begin() + rows * groups_ * 2, digit_sums_.end(), 0);
-    for (int64_t r = rows; r < padded_; ++r)
-      for (int64_t g = 0; g < groups_; ++g) std::memset(digits_.data() + digit_offset(r, g), 0, DIGIT_BYTES);
-    tile_params_.resize(tiles ? padded_ * groups_ * TILE_PARAMS : 0);
+    if (layout == DigitLayout::QUADS) {  // a padding row's bytes are spread: zero its block's groups whole
+      if (rows < padded_)
+        for (int64_t g = 0; g < groups_; ++g) std::memset(digits_.data() + digit_offset(rows, g), 0, TILE_M * DIGIT_BYTES);
+    } else {
+      for (int64_t r = rows; r < padded_; ++r)
+        for (int64_t g = 0; g < groups_; ++g) std::memset(digits_.data() + digit_offset(r, g), 0, DIGIT_BYTES);
+    }
+    tile_params_.resize(layout != DigitLayout::ROWS ? padded_ * groups_ * TILE_PARAMS : 0);
   }
 
   // Prepare rows [r0, r1) (r0 a multiple of TILE_M; r1 one too, or the last row), and the tile
@@ -80,12 +95,13 @@ class InputRows {
   void fill(int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t g = 0; g < groups_; ++g) prepare_group(r, g);
-    if (tiles_)
+    if (layout_ != DigitLayout::ROWS)
       for (int64_t block = r0 / TILE_M; block < (r1 + TILE_M - 1) / TILE_M; ++block) fill_tile_params(block);
   }
 
-  void prepare(const float* x, int64_t rows, int64_t k, bool tiles = false, int32_t digits = EXACT_DIGITS) {
-    reset(x, rows, k, tiles, digits);
+  void prepare(const float* x, int64_t rows, int64_t k, DigitLayout layout = DigitLayout::ROWS,
+               int32_t digits = EXACT_DIGITS) {
+    reset(x, rows, k, layout, digits);
     fill(0, rows);
   }
 
@@ -93,21 +109,29 @@ class InputRows {
   bool one_digit() const { return one_digit_; }  // the low digits are all 0
   int64_t padded_rows() const { return padded_; }
   int64_t groups() const { return groups_; }
+  DigitLayout layout() const { return layout_; }
+  // Row i as the row kernels read it (ROWS or TILES layouts).
   InputRow row(int64_t i) const {
     return {x_ + i * k_, sums_.data() + i * groups_, dot_scales_.data() + i * groups_,
             digits_.data() + digit_offset(i, 0), digit_sums_.data() + i * groups_ * 2,
-            tiles_ ? TILE_M * DIGIT_BYTES : DIGIT_BYTES};
+            layout_ == DigitLayout::TILES ? TILE_M * DIGIT_BYTES : DIGIT_BYTES};
   }
-  // With `tiles`, the digits of rows [16 block, 16 block + 16) as (K/32, 16, 2, 32): a group's
+  // With TILES, the digits of rows [16 block, 16 block + 16) as (K/32, 16, 2, 32): a group's
   // high (or low) digits of the 16 rows are one AMX A operand, 16 rows x 32 bytes, a row every
   // 64 bytes (one kilobyte read in order, where rows 2K bytes apart made each load touch 16 far lines).
   const int8_t* tile_digits(int64_t block) const { return digits_.data() + block * groups_ * TILE_M * DIGIT_BYTES; }
+
+  // With QUADS, the digits of rows [16 block, 16 block + 16), group g: (2, 8, 16, 4) bytes, digit
+  // (q, q_low) by quad (inputs 4i .. 4i + 3) by row.
+  const int8_t* quad_digits(int64_t block, int64_t g) const {
+    return digits_.data() + block_group(block, g) * TILE_M * DIGIT_BYTES;
+  }
 
   // Rows [16 block, 16 block + 16), group g: 16 dot scales, 16 float sums, then 16 + 16 digit
   // sums (halves a and b) as int32 bits (TILE_PARAMS values of 4 bytes).
   static constexpr int64_t TILE_PARAMS = 4 * TILE_M;
   const float* tile_params(int64_t block, int64_t g) const {
-    return tile_params_.data() + (block * groups_ + g) * TILE_PARAMS;
+    return tile_params_.data() + block_group(block, g) * TILE_PARAMS;
   }
 
  private:
@@ -123,7 +147,8 @@ class InputRows {
     const float scale = amax / 127.0f;
     const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     dot_scales_[at] = scale / 128.0f;
-    int8_t* q = digits_.data() + digit_offset(r, g);
+    alignas(64) int8_t quads[DIGIT_BYTES];  // QUADS: the row's digits here first, then in place
+    int8_t* q = layout_ == DigitLayout::QUADS ? quads : digits_.data() + digit_offset(r, g);
     int8_t* q_low = q + GROUP;
     // (two plain loops through int32: GCC vectorizes them, where one loop with the digit count's
     // test and float -> int8 casts ran one value at a time, ~4% of a Qwen3 prefill)
@@ -152,17 +177,31 @@ class InputRows {
     }
     if (one_digit())  // the sum of the rounded values (see the top of this file)
       sums_[at] = dot_scales_[at] * static_cast<float>(digit_sums_[at * 2] + digit_sums_[at * 2 + 1]);
+    if (layout_ == DigitLayout::QUADS) {
+      int8_t* block = digits_.data() + digit_offset(r, g);  // (2, 8, 16, 4): row r's 4 bytes of each (digit, quad)
+      for (int quad = 0; quad < 2 * GROUP / 4; ++quad) std::memcpy(block + (quad * TILE_M + r % TILE_M) * 4, quads + 4 * quad, 4);
+    }
   }
 
-  // Where row r's group g digits lie: rows one after another, or (tiles) blocks of 16 rows per group.
+  // Which (block, group) of TILE_M rows' digits and figures: block-major (TILES: a block's groups in
+  // order, as a pass of the AMX kernels reads them), or group-major (QUADS: the blocks a panel step
+  // reads together lie side by side, not a whole row's span apart, which set them on the same
+  // first-level cache sets).
+  int64_t block_group(int64_t block, int64_t g) const {
+    return layout_ == DigitLayout::QUADS ? g * (padded_ / TILE_M) + block : block * groups_ + g;
+  }
+
+  // Where row r's group g digits lie: rows one after another; TILES: its 64 bytes in its block's
+  // group; QUADS: its block's group (the row's bytes spread within it).
   int64_t digit_offset(int64_t r, int64_t g) const {
-    if (tiles_) return ((r / TILE_M * groups_ + g) * TILE_M + r % TILE_M) * DIGIT_BYTES;
+    if (layout_ == DigitLayout::TILES) return ((r / TILE_M * groups_ + g) * TILE_M + r % TILE_M) * DIGIT_BYTES;
+    if (layout_ == DigitLayout::QUADS) return block_group(r / TILE_M, g) * TILE_M * DIGIT_BYTES;
     return (r * groups_ + g) * DIGIT_BYTES;
   }
 
   void fill_tile_params(int64_t block) {
     for (int64_t g = 0; g < groups_; ++g) {
-      float* out = tile_params_.data() + (block * groups_ + g) * TILE_PARAMS;
+      float* out = tile_params_.data() + block_group(block, g) * TILE_PARAMS;
       for (int64_t m = 0; m < TILE_M; ++m) {
         const int64_t at = (block * TILE_M + m) * groups_ + g;
         out[m] = dot_scales_[at];
@@ -175,7 +214,7 @@ class InputRows {
 
   const float* x_ = nullptr;
   int64_t rows_ = 0, padded_ = 0, k_ = 0, groups_ = 0;
-  bool tiles_ = false;
+  DigitLayout layout_ = DigitLayout::ROWS;
   std::vector<float> sums_, dot_scales_, tile_params_;
   bool one_digit_ = false;  // HLLinear.activation_digits 1: q_low all 0
   std::vector<int32_t> digit_sums_;

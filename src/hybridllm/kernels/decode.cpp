@@ -153,7 +153,7 @@ void hl_linear(const HLLinear* w, const float* x, float* out, int64_t rows, int3
 void hl_reference_linear(const HLLinear* w, const float* x, float* out, int64_t rows) {
   if (!is_tiled(w->format)) return hl_linear(w, x, out, rows, 1);
   InputRows acts;
-  acts.prepare(x, rows, w->in_features, false, w->activation_digits);
+  acts.prepare(x, rows, w->in_features, DigitLayout::ROWS, w->activation_digits);
   const TypeLayout t = layout_of(w->format);
   const int64_t n_tiles = w->in_features / t.super;
   const auto* row_scales = static_cast<const float*>(w->scales);
@@ -178,6 +178,13 @@ int32_t hl_set_amx(int32_t on) {
   (void)on;
 #endif
   return hl_amx();
+}
+
+// Turn the panels of the AVX-512 VNNI builds on (1) or off (0; the row kernels give the same
+// results); returns whether products of many rows take them (built for them and on).
+int32_t hl_set_panels(int32_t on) {
+  panels_enabled.store(on != 0);
+  return panels_usable();
 }
 
 // ---- attention ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include "activations.h"
 #include "common.h"
 #include "dots_avx512.h"
+#include "dots_panels.h"
 #include "qtypes.h"
 
 #if HL_AMX
@@ -82,18 +83,6 @@ inline void configure(int inputs) {
   _tile_loadconfig(inputs == GROUP ? &whole : &halves);
 }
 
-// 64-byte aligned scratch that only grows (one per thread).
-struct AlignedScratch {
-  std::vector<uint8_t> storage;
-  uint8_t* get(size_t bytes) {
-    if (storage.size() < bytes + 64) storage.resize(bytes + 64);
-    return storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
-  }
-};
-
-constexpr int64_t QUAD_BYTES = 64;
-constexpr int64_t UNPACKED_GROUP = 8 * QUAD_BYTES + 3 * 64;  // quads, then scale, scale_b and min (16 floats each)
-
 // Whether a format's unpacked codes are stored less its offset, as signed bytes (w = u - offset:
 // IQ4's table values, Q6_K's -32 .. 31, Q8_0's int8 ...), multiplied by TDPBSSD: the tile's dots
 // are then the exact sums of w . digits that the vector kernels reach by subtracting the offset
@@ -126,16 +115,9 @@ __attribute__((always_inline)) inline void group_float_steps(__m512 (&acc)[TILE_
 
 // Unpacked quads and scales of the weight row blocks that one pass keeps warm in L2 beside an input
 // tile (Sapphire Rapids: 2 MiB of L2 per core): each 16-input-row tile's digits of a pass's groups
-// are read from memory once per pass, then served from L2 to every row block of the pass.
+// are read from memory once per pass, then served from L2 to every row block of the pass (K =
+// 14336: 184 groups of 8 blocks a pass, each input tile read once per pass, once per call in all).
 constexpr int64_t PASS_UNPACKED_BYTES = 1 << 20;
-
-// Groups per pass for `n_blocks` row blocks (a whole number of tiles of `groups_per_tile`, at least
-// one): a pass covers every row block of a call over a span of the inputs (K = 14336: 184 groups of
-// 8 blocks), so each input tile is read once per pass for all of them and once per call in all.
-inline int64_t groups_per_pass(int64_t n_blocks, int64_t groups_per_tile) {
-  const int64_t tiles = PASS_UNPACKED_BYTES / (n_blocks * groups_per_tile * UNPACKED_GROUP);
-  return std::max<int64_t>(1, tiles) * groups_per_tile;
-}
 
 // One pass for one row block and 16 input rows (from m0): groups first .. first + span - 1 of the
 // block's unpacked quads and scales (`unpacked`: the pass's groups in order), the accumulators
@@ -253,30 +235,12 @@ void tiled_rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, fl
   constexpr int64_t GROUPS_PER_TILE = T.groups();
   const int64_t groups = n_tiles * GROUPS_PER_TILE;
   const int64_t n_blocks = (n_rows + TILE_M - 1) / TILE_M;
-  const int64_t pass_groups = std::min(groups, groups_per_pass(n_blocks, GROUPS_PER_TILE));
+  const int64_t pass_groups = std::min(groups, groups_per_pass(n_blocks, GROUPS_PER_TILE, PASS_UNPACKED_BYTES));
   thread_local AlignedScratch scratch;
   uint8_t* unpacked_blocks = scratch.get(n_blocks * pass_groups * UNPACKED_GROUP);
   for (int64_t first = 0; first < groups; first += pass_groups) {
     const int64_t span = std::min(pass_groups, groups - first);  // this pass's groups: first .. first + span - 1
-    for (int64_t b = 0; b < n_blocks; ++b) {
-      for (int64_t g = 0; g < span; ++g) {
-        const int64_t s = b * n_tiles + (first + g) / GROUPS_PER_TILE;  // the blocks' tiles lie one after another
-        const uint8_t* tile = tiles + s * T.tile_bytes();
-        const int64_t gi = (first + g) % GROUPS_PER_TILE;
-        uint8_t* group = unpacked_blocks + (b * span + g) * UNPACKED_GROUP;
-        __m512i q[8];
-        avx512::unpack_quads<F>(group_codes(T, tile, gi), q);
-        for (int i = 0; i < 8; ++i) {
-          if constexpr (CENTERED<F>) q[i] = _mm512_sub_epi8(q[i], _mm512_set1_epi8(static_cast<char>(T.offset)));
-          _mm512_store_si512(group + i * QUAD_BYTES, q[i]);
-        }
-        const avx512::Scales16 scales = avx512::group_scales<F>(tile, gi);
-        float* vectors = reinterpret_cast<float*>(group + 8 * QUAD_BYTES);
-        _mm512_store_ps(vectors, scales.scale);
-        _mm512_store_ps(vectors + 16, scales.scale_b);
-        _mm512_store_ps(vectors + 32, scales.min);
-      }
-    }
+    unpack_panel<F, CENTERED<F>>(tiles, n_tiles, first, span, n_blocks, unpacked_blocks);
     const bool last_pass = first + span == groups;
     configure(T.halves() ? GROUP / 2 : GROUP);  // once per pass (a load of the config costs ~4% of a prefill)
     for (int64_t m0 = 0; m0 < acts.rows(); m0 += TILE_M)

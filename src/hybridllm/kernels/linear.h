@@ -16,6 +16,7 @@
 #include "dots_avx2.h"
 #include "dots_avx512.h"
 #include "dots_float.h"
+#include "dots_panels.h"
 #include "dots_reference.h"
 #include "qtypes.h"
 #include "thread_team.h"
@@ -32,6 +33,11 @@ constexpr int64_t SHARED_PREPARATION_ROWS = 64;
 // Whether a product of `rows` input rows with format `format` runs on AMX tiles.
 inline bool tile_product(int32_t format, int64_t rows) {
   return is_tiled(format) && rows >= AMX_MIN_ROWS && amx_usable();
+}
+
+// Whether it runs on the panels of the AVX-512 VNNI builds (dots_panels.h), where not on tiles.
+inline bool panel_product(int32_t format, int64_t rows) {
+  return panels_usable() && is_tiled(format) && rows >= PANEL_MIN_ROWS && !tile_product(format, rows);
 }
 
 #if HL_AVX512_VNNI
@@ -84,6 +90,17 @@ void tiled_range(const HLLinear& w, const InputRows& acts, float* out, int64_t n
   }
 #else
   (void)tiles_product;
+#endif
+#if HL_AVX512_VNNI
+  if (acts.layout() == DigitLayout::QUADS) {  // the item's row blocks together, input rows in the lanes
+    if (acts.one_digit())
+      panels::rows<F, 1>(base + (n0 / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n0, n_out, n1 - n0,
+                         row_scales == nullptr ? nullptr : row_scales + n0);
+    else
+      panels::rows<F, EXACT_DIGITS>(base + (n0 / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n0, n_out,
+                                    n1 - n0, row_scales == nullptr ? nullptr : row_scales + n0);
+    return;
+  }
 #endif
   for (int64_t n = n0; n < n1; n += TILE_ROWS)
     tiled_block<F>(base + (n / TILE_ROWS) * n_tiles * T.tile_bytes(), n_tiles, acts, out + n, n_out,
@@ -148,24 +165,26 @@ inline HLProjection single(const HLLinear& w) {
 inline void linear_team(const Team& team, const HLProjection& p, const float* x, float* out, int64_t rows,
                         InputRows* shared = nullptr) {
   thread_local InputRows own;
-  bool quantized = false, tiles = false;
+  bool quantized = false, tiles = false, panels = false;
   int32_t digits = EXACT_DIGITS;  // one preparation serves every part: the first quantized part's digits
   for (int32_t i = p.n_parts - 1; i >= 0; --i) {
     if (is_tiled(p.parts[i].format)) digits = p.parts[i].activation_digits;
     quantized |= is_tiled(p.parts[i].format);
     tiles |= tile_product(p.parts[i].format, rows);
+    panels |= panel_product(p.parts[i].format, rows);
   }
+  const DigitLayout layout = tiles ? DigitLayout::TILES : panels ? DigitLayout::QUADS : DigitLayout::ROWS;
   const int64_t k = p.parts[0].in_features;
   InputRows* acts = &own;
   if (quantized && shared != nullptr && rows >= SHARED_PREPARATION_ROWS) {
     acts = shared;
-    if (team.thread == 0) shared->reset(x, rows, k, tiles, digits);
+    if (team.thread == 0) shared->reset(x, rows, k, layout, digits);
     team.barrier();
     const Share blocks((rows + TILE_M - 1) / TILE_M, team);
     shared->fill(blocks.first * TILE_M, std::min(rows, blocks.last * TILE_M));
     team.barrier();
   } else if (quantized) {
-    own.prepare(x, rows, k, tiles, digits);
+    own.prepare(x, rows, k, layout, digits);
   }
   const int64_t n_out = projection_outputs(p);
   int64_t items = 0;
