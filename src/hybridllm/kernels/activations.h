@@ -82,7 +82,8 @@ class InputRows {
     std::fill(digit_sums_.begin() + rows * groups_ * 2, digit_sums_.end(), 0);
     if (layout == DigitLayout::QUADS) {  // a padding row's bytes are spread: zero its block's groups whole
       if (rows < padded_)
-        for (int64_t g = 0; g < groups_; ++g) std::memset(digits_.data() + digit_offset(rows, g), 0, TILE_M * DIGIT_BYTES);
+        for (int64_t g = 0; g < groups_; ++g)
+          std::memset(digits_.data() + digit_offset(rows, g), 0, TILE_M * DIGIT_BYTES);
     } else {
       for (int64_t r = rows; r < padded_; ++r)
         for (int64_t g = 0; g < groups_; ++g) std::memset(digits_.data() + digit_offset(r, g), 0, DIGIT_BYTES);
@@ -179,7 +180,8 @@ class InputRows {
       sums_[at] = dot_scales_[at] * static_cast<float>(digit_sums_[at * 2] + digit_sums_[at * 2 + 1]);
     if (layout_ == DigitLayout::QUADS) {
       int8_t* block = digits_.data() + digit_offset(r, g);  // (2, 8, 16, 4): row r's 4 bytes of each (digit, quad)
-      for (int quad = 0; quad < 2 * GROUP / 4; ++quad) std::memcpy(block + (quad * TILE_M + r % TILE_M) * 4, quads + 4 * quad, 4);
+      for (int quad = 0; quad < 2 * GROUP / 4; ++quad)
+        std::memcpy(block + (quad * TILE_M + r % TILE_M) * 4, quads + 4 * quad, 4);
     }
   }
 

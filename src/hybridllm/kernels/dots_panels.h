@@ -166,9 +166,12 @@ void block_rows(const uint8_t* unpacked, int64_t first, int64_t span, const Inpu
             __m512i d = _mm512_slli_epi32(high[v][n], 7);
             if constexpr (DIGITS == 2) d = _mm512_add_epi32(d, low[v][n]);
             if constexpr (T.offset != 0) d = _mm512_sub_epi32(d, offset);
-            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_set1_ps(scales[n0 + n]), dot_scales), sum);
-            if constexpr (T.has_min())
-              sum = _mm512_fmadd_ps(_mm512_set1_ps(scale_vectors[32 + n0 + n]), _mm512_loadu_ps(params[v] + TILE_M), sum);
+            const __m512 scale = _mm512_set1_ps(scales[n0 + n]);  // weight row n0 + n's, times each row's dot scale
+            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(scale, dot_scales), sum);
+            if constexpr (T.has_min()) {  // its min times each input row's float sum
+              const __m512 min = _mm512_set1_ps(scale_vectors[32 + n0 + n]);
+              sum = _mm512_fmadd_ps(min, _mm512_loadu_ps(params[v] + TILE_M), sum);
+            }
             _mm512_store_ps(acc, sum);
           }
         }
