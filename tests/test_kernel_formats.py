@@ -141,7 +141,7 @@ def assert_panels_are_the_reference(view, x: torch.Tensor, library) -> None:
 
 @pytest.mark.parametrize("digits", [2, 1])
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-# 64 rows: 4 input blocks; 100: 7 (whole steps, then single blocks) with 12 padding rows
+# 64 rows: 4 input blocks; 100: 7 with 12 padding rows (one digit: a step of 4, then of 2 and of 1)
 @pytest.mark.parametrize("rows", [64, 100])
 def test_panels_give_every_row_the_reference_bits(type_name, digits, rows, panels):
     layer, _ = held(type_name, 40, 768, seed=rows + digits, digits=digits)  # 40: a partial last row block

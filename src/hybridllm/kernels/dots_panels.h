@@ -192,7 +192,8 @@ void block_rows(const uint8_t* unpacked, int64_t first, int64_t span, const Inpu
 // the last one possibly partial) for every input row of `acts` (DigitLayout::QUADS), into out (m,
 // n) for n < n_rows; row_scales: the rows' scales of FORMAT_I8_ROWS. In passes over spans of the
 // groups (their codes of every row block unpacked once per pass); each output's float sum runs
-// group after group across the passes through a scratch of [input block][row block][n][16].
+// group after group across the passes through a scratch of [row block][input block][n][16]. The
+// input blocks go panel_vectors at a time, the last few 2 or 1 at a time.
 template <int32_t F, int DIGITS>
 void rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* out, int64_t n_out, int64_t n_rows,
           const float* row_scales) {
@@ -210,12 +211,14 @@ void rows(const uint8_t* tiles, int64_t n_tiles, const InputRows& acts, float* o
     unpack_panel<F, false>(tiles, n_tiles, first, span, n_blocks, panel);
     for (int64_t mb = 0; mb < m_blocks;) {
       constexpr int MV = panel_vectors(DIGITS);
-      const int mv = mb + MV <= m_blocks ? MV : 1;  // the last blocks one at a time
+      const int mv = mb + MV <= m_blocks ? MV : mb + 2 <= m_blocks ? 2 : 1;
       for (int64_t b = 0; b < n_blocks; ++b) {
         const uint8_t* unpacked = panel + b * span * UNPACKED_GROUP;
         const int64_t stride = BLOCK_SUMS;  // from input block mb to mb + 1
         if (mv == MV)
           block_rows<F, DIGITS, MV>(unpacked, first, span, acts, mb, sums_of(mb, b), stride);
+        else if (mv == 2)
+          block_rows<F, DIGITS, 2>(unpacked, first, span, acts, mb, sums_of(mb, b), stride);
         else
           block_rows<F, DIGITS, 1>(unpacked, first, span, acts, mb, sums_of(mb, b), stride);
       }
