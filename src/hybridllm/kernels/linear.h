@@ -165,15 +165,15 @@ inline HLProjection single(const HLLinear& w) {
 inline void linear_team(const Team& team, const HLProjection& p, const float* x, float* out, int64_t rows,
                         InputRows* shared = nullptr) {
   thread_local InputRows own;
-  bool quantized = false, tiles = false, panels = false;
+  bool quantized = false, tiles = false, panel_rows = false;
   int32_t digits = EXACT_DIGITS;  // one preparation serves every part: the first quantized part's digits
   for (int32_t i = p.n_parts - 1; i >= 0; --i) {
     if (is_tiled(p.parts[i].format)) digits = p.parts[i].activation_digits;
     quantized |= is_tiled(p.parts[i].format);
     tiles |= tile_product(p.parts[i].format, rows);
-    panels |= panel_product(p.parts[i].format, rows);
+    panel_rows |= panel_product(p.parts[i].format, rows);
   }
-  const DigitLayout layout = tiles ? DigitLayout::TILES : panels ? DigitLayout::QUADS : DigitLayout::ROWS;
+  const DigitLayout layout = tiles ? DigitLayout::TILES : panel_rows ? DigitLayout::QUADS : DigitLayout::ROWS;
   const int64_t k = p.parts[0].in_features;
   InputRows* acts = &own;
   if (quantized && shared != nullptr && rows >= SHARED_PREPARATION_ROWS) {
